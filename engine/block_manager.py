@@ -1,0 +1,171 @@
+"""Paged KV-cache bookkeeping: a block pool with reference counts, an LRU of reusable cached blocks,
+per-request block tables, prefix hashes and CPU swap slots. Holds ids only; the tensors live in the
+model runner."""
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
+    h = hashlib.sha256(parent or b"root")
+    if parent is None and salt:
+        h.update(salt.encode())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """Free blocks in two LRU queues: never-cached ones are handed out before cached ones are evicted."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_plain: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_cached: OrderedDict[int, Block] = OrderedDict()
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_plain) + len(self.free_cached)
+
+    def allocate(self, n: int) -> list[Block]:
+        out = []
+        for _ in range(n):
+            queue = self.free_plain if self.free_plain else self.free_cached
+            _, block = queue.popitem(last=False)
+            if block.hash is not None:
+                del self.cached[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            if b.ref_count == 0:
+                del (self.free_cached if b.hash is not None else self.free_plain)[b.block_id]
+            b.ref_count += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        for b in reversed(blocks):
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                (self.free_cached if b.hash is not None else self.free_plain)[b.block_id] = b
+
+    def register(self, block: Block, h: bytes) -> None:
+        if block.hash is None and h not in self.cached:
+            block.hash = h
+            self.cached[h] = block
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_swap_blocks: int = 0) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[str, list[Block]] = {}
+        self.hashes: dict[str, list[bytes]] = {}
+        self.num_registered: dict[str, int] = {}
+        self.free_swap = list(range(num_swap_blocks - 1, -1, -1))
+        self.num_swap_blocks = num_swap_blocks
+        self.swapped: dict[str, list[int]] = {}
+        self.queries = self.hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq.request_id, [])]
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        hashes = self.hashes.setdefault(seq.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), seq.num_tokens // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs],
+                                     seq.cache_salt))
+        return hashes
+
+    def cached_prefix(self, seq: Sequence) -> list[Block]:
+        """The longest run of cached full blocks at the start of seq, leaving >= 1 token to compute."""
+        if not self.caching:
+            return []
+        blocks = []
+        for h in self._hashes(seq):
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        if len(blocks) * self.block_size >= seq.num_tokens:
+            blocks.pop()
+        return blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[Block] = (),
+                 reserve: int = 0) -> list[int] | None:
+        """Grow seq's table to hold its computed tokens (+ prefix) plus num_new_tokens.
+        Returns the block ids appended to the table, or None (nothing changed) if they don't fit."""
+        table = self.tables.get(seq.request_id, [])
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        num_new = self.blocks_for(computed + num_new_tokens) - len(table) - len(prefix)
+        reused_free = sum(1 for b in prefix if b.ref_count == 0)
+        if num_new + reused_free > self.pool.num_free - reserve:
+            return None
+        self.pool.touch(list(prefix))
+        added = list(prefix) + self.pool.allocate(max(num_new, 0))
+        table = self.tables[seq.request_id] = table + added
+        if self.caching:
+            self._register(seq, table, (computed + num_new_tokens) // self.block_size)
+        return [b.block_id for b in added]
+
+    def _register(self, seq: Sequence, table: list[Block], num_full: int) -> None:
+        rid = seq.request_id
+        hashes = self._hashes(seq)
+        for i in range(self.num_registered.get(rid, 0), min(num_full, len(hashes))):
+            self.pool.register(table[i], hashes[i])
+        self.num_registered[rid] = max(self.num_registered.get(rid, 0), num_full)
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def free(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        self.pool.release(self.tables.pop(rid, []))
+        self.num_registered.pop(rid, None)
+        self.free_swap.extend(self.swapped.pop(rid, []))
+
+    def forget(self, seq: Sequence) -> None:
+        self.free(seq)
+        self.hashes.pop(seq.request_id, None)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        table = self.tables.get(seq.request_id, [])
+        if len(table) > len(self.free_swap):
+            return None
+        slots = [self.free_swap.pop() for _ in table]
+        pairs = [(b.block_id, s) for b, s in zip(table, slots)]
+        self.free(seq)
+        self.swapped[seq.request_id] = slots
+        return pairs
+
+    def swap_in(self, seq: Sequence, reserve: int = 0) -> list[tuple[int, int]] | None:
+        slots = self.swapped.get(seq.request_id, [])
+        if len(slots) > self.pool.num_free - reserve:
+            return None
+        blocks = self.pool.allocate(len(slots))
+        self.tables[seq.request_id] = blocks
+        self.free_swap.extend(self.swapped.pop(seq.request_id))
+        return [(s, b.block_id) for s, b in zip(slots, blocks)]

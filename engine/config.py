@@ -1,0 +1,96 @@
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.models.llama import ARCHITECTURES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"EngineConfig.{name} {message}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "demo:tiny"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "continuous"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 0
+    preemption_mode: str = "recompute"
+    swap_space: int = 0
+    watermark: float = 0.01
+    adaptive_watermark: bool = False
+    aging_rate: float = 1.0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    seed: int = 0
+    hf_config: PretrainedConfig | None = field(default=None, repr=False)
+    model_path: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, f"must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            _fail("block_size", f"must be a power of two <= 256, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.num_blocks is not None:
+            _fail("num_blocks", "and kv_cache_memory are mutually exclusive")
+        for name in ("kv_cache_memory", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                _fail(name, f"must be a positive integer or None, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 <= self.watermark < 1:
+            _fail("watermark", f"must be in [0, 1), got {self.watermark}")
+        if self.swap_space < 0 or self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 0:
+            _fail("swap_space", "long_prefill_token_threshold and max_num_partial_prefills must be >= 0")
+        choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),
+                   "attention_backend": ("auto", "torch", "triton"), "device": ("auto", "cpu", "cuda"),
+                   "dtype": ("auto", *DTYPES)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+        if self.hf_config is None:
+            self._load_model_config()
+
+    def _load_model_config(self) -> None:
+        from engine.demo import resolve_model
+        self.model_path = resolve_model(self.model)
+        config = AutoConfig.from_pretrained(self.model_path)
+        arch = (getattr(config, "architectures", None) or ["?"])[0]
+        if arch not in ARCHITECTURES:
+            _fail("model", f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        self.hf_config = config
+        if self.dtype == "auto":
+            dt = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+            self.dtype = dt.removeprefix("torch.") if dt.removeprefix("torch.") in DTYPES else "float32"
+        limit = config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            _fail("max_model_len", f"({self.max_model_len}) exceeds the model's max_position_embeddings ({limit})")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def engine_options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}

@@ -1,0 +1,58 @@
+from transformers import PreTrainedTokenizerBase
+
+from engine.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text one token at a time, waiting out incomplete UTF-8 sequences,
+    and finds stop strings across token boundaries."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+        self.holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int, num_output_tokens: int) -> str | None:
+        """Append one token; returns the stop string that ended the text, if any."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        old_len = len(self.text)
+        self.text += full[len(prefix):]
+        if num_output_tokens < self.params.min_tokens:
+            return None
+        return self._find_stop(old_len)
+
+    def flush(self) -> None:
+        if self.read_offset < len(self.token_ids):
+            prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.token_ids[self.prefix_offset:])[len(prefix):]
+            self.read_offset = len(self.token_ids)
+
+    def _find_stop(self, old_len: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop_strings:
+            idx = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        self.text = self.text[:idx + len(stop) if self.params.include_stop_str_in_output else idx]
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show now: a tail that may still become a stop string is held back."""
+        if finished or not self.holdback:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.holdback)]

@@ -1,0 +1,20 @@
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dtype)
+        return y if residual is None else (y, residual)

@@ -1,0 +1,76 @@
+"""Offline batch generation, vLLM-compatible in shape: LLM(model).generate(prompts, params)."""
+import itertools
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    def __init__(self, model: str = "demo:tiny", **options: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return None, ids
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        priority = priority or [0] * len(prompts)
+        requests = []
+        for prompt, p in zip(prompts, params):
+            text, ids = self._tokenize(prompt)
+            self.engine.validate(ids, p)
+            requests.append((text, ids, p))
+        order: dict[str, tuple[int, int]] = {}
+        for i, ((text, ids, p), prio) in enumerate(zip(requests, priority)):
+            for j in range(p.n):
+                rid = str(next(self._ids))
+                order[rid] = (i, j)
+                sub = p if p.n == 1 else _sub_params(p, j)
+                self.engine.add_request(rid, ids, sub, priority=prio, prompt=text)
+        return self._run(order, len(prompts), use_tqdm)
+
+    def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * num_prompts
+        bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                i, j = order[out.request_id]
+                out.outputs[0].index = j
+                if results[i] is None:
+                    out.request_id = str(i)
+                    results[i] = out
+                else:
+                    results[i].outputs.append(out.outputs[0])
+                    results[i].outputs.sort(key=lambda c: c.index)
+                bar.update(1)
+        bar.close()
+        return results
+
+
+def _sub_params(p: SamplingParams, j: int) -> SamplingParams:
+    from dataclasses import fields, replace
+    kwargs = {f.name: getattr(p, f.name) for f in fields(p) if f.init}
+    kwargs.update(n=1, seed=None if p.seed is None else p.seed + j)
+    return SamplingParams(**kwargs)

@@ -1,0 +1,206 @@
+"""Owns the model and its paged KV cache on one device; turns a SchedulerOutput into sampled tokens."""
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata
+from engine.loader import load_weights
+from engine.models.llama import LlamaForCausalLM, head_dim_of
+from engine.parallel import tp_rank, tp_size
+from engine.sampler import SamplingBatch, sample
+from engine.sampling_params import SamplingParams
+from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from kernels import attention_ops
+
+log = logging.getLogger("conveyor")
+
+
+@dataclass
+class RequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    params: SamplingParams
+    stop_ids: list[int]
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.rank = tp_rank()
+        self.block_size = config.block_size
+        hf = config.hf_config
+        torch.manual_seed(config.seed)
+        ops = attention_ops(config.attention_backend)
+        if self.rank == 0:
+            log.info("attention backend: %s on %s", ops.name, self.device)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        with self.device:
+            self.model = LlamaForCausalLM(hf, ops, config.max_model_len)
+        torch.set_default_dtype(default_dtype)
+        load_weights(self.model, config.model_path, hf.tie_word_embeddings)
+        self.attn_layers = self.model.attention_layers()
+        self.num_kv_heads = self.attn_layers[0].num_kv_heads
+        self.head_dim = head_dim_of(hf)
+        self.vocab_size = hf.vocab_size
+        self.requests: dict[str, RequestState] = {}
+        self.kv_cache = torch.empty(0)
+        self.cpu_cache = torch.empty(0)
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def available_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.gpu_memory_utilization - (total - free) - self._profile_activation_bytes()
+        else:
+            budget = cfg.kv_cache_memory or 512 * 2 ** 20
+        return max(int(budget // self.block_bytes), 0)
+
+    def _profile_activation_bytes(self) -> int:
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        blocks = -(-n // self.block_size)
+        self.allocate_kv_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        chunk = ScheduledChunk("profile", [0] * n, 0, list(range(blocks)), True, True)
+        self.requests["profile"] = RequestState([0] * n, [], [], SamplingParams(), [], None)
+        self.execute_model(SchedulerOutput(chunks=[chunk], finished_req_ids=[]))
+        self.requests.clear()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        swap_blocks = self.config.swap_space // self.block_bytes if self.config.preemption_mode == "swap" else 0
+        if swap_blocks:
+            pin = self.device.type == "cuda"
+            self.cpu_cache = torch.zeros((*shape[:2], swap_blocks, *shape[3:]), dtype=self.config.torch_dtype,
+                                         pin_memory=pin)
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*pairs))
+        if to_cpu:
+            self.cpu_cache[:, :, dst] = self.kv_cache[:, :, src.to(self.device)].to("cpu")
+        else:
+            self.kv_cache[:, :, dst.to(self.device)] = self.cpu_cache[:, :, src].to(self.device)
+
+    def _add_request(self, r: NewRequestData) -> None:
+        gen = None
+        if r.params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(r.params.seed)
+        self.requests[r.req_id] = RequestState(r.prompt_token_ids, [], [], r.params, r.stop_ids_for_min_tokens, gen)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for r in so.new_requests:
+            self._add_request(r)
+        self.swap_blocks(so.swap_out, to_cpu=True)
+        self.swap_blocks(so.swap_in, to_cpu=False)
+        if not so.chunks:
+            return ModelRunnerOutput([], [], []) if self.rank == 0 else None
+        chunks = sorted(so.chunks, key=lambda c: len(c.token_ids) > 1)
+        for c in chunks:
+            state = self.requests[c.req_id]
+            state.block_ids = list(c.new_block_ids) if c.reset_blocks else state.block_ids + c.new_block_ids
+        input_ids, positions, meta, sample_idx = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[sample_idx])
+        if self.rank != 0:
+            return None
+        sampled = [c.req_id for c in chunks if c.sample]
+        tokens, logprobs = sample(logits, self._sampling_batch(sampled))
+        tokens = tokens.tolist()
+        for rid, tok in zip(sampled, tokens):
+            self.requests[rid].output_token_ids.append(tok)
+        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
+
+    def _prepare(self, chunks: list[ScheduledChunk]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        seq_lens = starts + q_lens
+        tables = [self.requests[c.req_id].block_ids for c in chunks]
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(chunks), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+        positions = np.arange(cu[-1]) - cu[:-1][seq_of_token] + starts[seq_of_token]
+        slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(cu[-1]))
+        sample_idx = np.array([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.sample], dtype=np.int64)
+        nd = int((q_lens == 1).sum())
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        pre_cu = cu[nd:] - cu[nd]
+        meta = AttentionMetadata(
+            slot_mapping=t(slots), num_decodes=nd,
+            decode_block_tables=t(block_tables[:nd]), decode_seq_lens=t(seq_lens[:nd].astype(np.int32)),
+            decode_max_seq_len=int(seq_lens[:nd].max()) if nd else 0,
+            prefill_block_tables=t(block_tables[nd:]), prefill_seq_lens=t(seq_lens[nd:].astype(np.int32)),
+            prefill_query_start_loc=t(pre_cu.astype(np.int32)),
+            prefill_max_query_len=int(q_lens[nd:].max()) if nd < len(chunks) else 0,
+            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < len(chunks) else 0)
+        return t(input_ids), t(positions), meta, t(sample_idx)
+
+    def _sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
+        states = [self.requests[r] for r in req_ids]
+        params = [s.params for s in states]
+        dev, n = self.device, len(states)
+
+        def col(values: list[float], skip: float) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=torch.float32, device=dev) if any(v != skip for v in values) else None
+
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        penalties = any(p.has_penalties for p in params)
+        counts = prompt_mask = None
+        if penalties:
+            counts = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=dev)
+            prompt_mask = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
+            for i, s in enumerate(states):
+                if s.output_token_ids:
+                    ids = torch.tensor(s.output_token_ids, device=dev)
+                    counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
+                prompt_mask[i, torch.tensor(s.prompt_token_ids, device=dev)] = True
+        banned = [(i, tok) for i, s in enumerate(states)
+                  if len(s.output_token_ids) < s.params.min_tokens for tok in s.stop_ids]
+        rows, toks = (torch.tensor(x, device=dev) for x in zip(*banned)) if banned else (None, None)
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            all_greedy=all(p.greedy for p in params),
+            top_k=torch.tensor(top_k, device=dev) if any(k < self.vocab_size for k in top_k) else None,
+            top_p=col([p.top_p for p in params], 1.0), min_p=col([p.min_p for p in params], 0.0),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            repetition_penalty=col([p.repetition_penalty for p in params], 1.0) if penalties else None,
+            frequency_penalty=torch.tensor([p.frequency_penalty for p in params], device=dev) if penalties else None,
+            presence_penalty=torch.tensor([p.presence_penalty for p in params], device=dev) if penalties else None,
+            output_counts=counts, prompt_mask=prompt_mask, banned_rows=rows, banned_tokens=toks,
+            num_logprobs=[p.logprobs for p in params])

@@ -1,0 +1,108 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat packed batch of tokens."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from kernels import AttentionOps
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
+        super().__init__()
+        arch = config.architectures[0]
+        self.head_dim = head_dim_of(config)
+        bias = getattr(config, "attention_bias", False) or arch == "Qwen2ForCausalLM"
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, ops, max_positions)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, max_positions)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]

@@ -1,0 +1,35 @@
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: RequestMetrics | None = None

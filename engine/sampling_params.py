@@ -1,0 +1,74 @@
+from dataclasses import dataclass, field
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {message}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _check(_is_num(getattr(self, name)), name, f"must be a number, got {getattr(self, name)!r}")
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            _check(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+               f"must be None or an integer in [0, 20], got {self.logprobs!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in stop), "stop", f"must be non-empty strings, got {self.stop!r}")
+        self.stop_strings = stop
+        ids = self.stop_token_ids or []
+        _check(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids",
+               f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

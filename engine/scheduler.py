@@ -1,0 +1,204 @@
+"""Iteration-level scheduling. Each step every scheduled request gets
+min(num_tokens - num_computed_tokens, budget left, chunk cap) tokens: prefill, chunked prefill,
+decode and recompute after preemption are the same rule."""
+import time
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from engine.watermark import Watermark
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: BlockManager, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Sequence] = {}
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.static_batch: set[str] = set()
+        self.watermark = Watermark(config.watermark, config.adaptive_watermark, kv.num_blocks)
+        self.finished_for_runner: list[str] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.enqueued_step = self.num_steps
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _wait_key(self, seq: Sequence) -> tuple:
+        aged = (self.num_steps - seq.enqueued_step) * self.config.aging_rate / 100
+        return seq.priority - aged, seq.arrival_time
+
+    @staticmethod
+    def _victim_key(seq: Sequence) -> tuple:
+        return seq.priority, -seq.num_computed_tokens, seq.arrival_time
+
+    def _chunk(self, seq: Sequence, budget: int, prefills: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if n > 1:
+            cfg = self.config
+            if cfg.max_num_partial_prefills and prefills >= cfg.max_num_partial_prefills:
+                return 0
+            if cfg.long_prefill_token_threshold:
+                n = min(n, cfg.long_prefill_token_threshold)
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        out = SchedulerOutput(finished_req_ids=self.finished_for_runner)
+        self.finished_for_runner = []
+        budget, prefills = self.config.max_num_batched_tokens, 0
+        chunks: dict[str, ScheduledChunk] = {}
+        preempted = False
+        self.running.sort(key=lambda s: (s.priority, s.arrival_time))
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = self._chunk(seq, budget, prefills)
+            if n == 0:
+                continue
+            while (ids := self.kv.allocate(seq, n)) is None:
+                victim = max(self.running, key=self._victim_key)
+                if victim.request_id in chunks:
+                    budget += len(chunks.pop(victim.request_id).token_ids)
+                self._preempt(victim, out)
+                preempted = True
+                if victim is seq:
+                    break
+            if ids is None:
+                continue
+            chunks[seq.request_id] = self._make_chunk(seq, n, ids, reset=False)
+            budget -= n
+            prefills += n > 1
+        self.watermark.observe(preempted)
+        if not preempted:
+            budget, prefills = self._admit(out, chunks, budget, prefills)
+        for c in chunks.values():
+            seq = self.requests[c.req_id]
+            seq.num_computed_tokens += len(c.token_ids)
+            seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
+        out.chunks = list(chunks.values())
+        return out
+
+    def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
+               prefills: int) -> tuple[int, int]:
+        cfg = self.config
+        static = cfg.scheduling_policy == "static"
+        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.swapped[0]
+            n = self._chunk(seq, budget, prefills)
+            pairs = self.kv.swap_in(seq, self._reserve()) if n else None
+            if pairs is None or (ids := self.kv.allocate(seq, n)) is None:
+                if pairs is not None:
+                    self.kv.swap_out(seq)
+                break
+            out.swap_in += pairs
+            self.swapped.pop(0)
+            self._start(seq, chunks, n, ids)
+            budget, prefills = budget - n, prefills + (n > 1)
+        if static and not self.running and not self.swapped and not self.static_batch.intersection(s.request_id for s in self.waiting):
+            batch = sorted(self.waiting, key=self._wait_key)[:cfg.max_num_seqs]
+            self.static_batch = {s.request_id for s in batch}
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            candidates = [s for s in self.waiting if not static or s.request_id in self.static_batch]
+            if not candidates:
+                break
+            seq = min(candidates, key=self._wait_key)
+            prefix = self.kv.cached_prefix(seq)
+            cached = len(prefix) * self.kv.block_size
+            n = self._chunk_from(seq, cached, budget, prefills)
+            if n == 0:
+                break
+            ids = self.kv.allocate(seq, n, prefix, self._reserve())
+            if ids is None:
+                break
+            self.kv.record_query(seq.num_tokens, cached)
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            self.waiting.remove(seq)
+            if seq.request_id not in self.kv.swapped and not seq.seen_by_runner:
+                seq.seen_by_runner = True
+                stop_ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
+                out.new_requests.append(NewRequestData(seq.request_id, seq.prompt_token_ids, seq.params, stop_ids))
+            self._start(seq, chunks, n, ids)
+            budget, prefills = budget - n, prefills + (n > 1)
+        return budget, prefills
+
+    def _chunk_from(self, seq: Sequence, cached: int, budget: int, prefills: int) -> int:
+        computed, seq.num_computed_tokens = seq.num_computed_tokens, cached
+        n = self._chunk(seq, budget, prefills)
+        seq.num_computed_tokens = computed
+        return n
+
+    def _reserve(self) -> int:
+        return self.watermark.blocks if self.running else 0
+
+    def _start(self, seq: Sequence, chunks: dict[str, ScheduledChunk], n: int, ids: list[int]) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        chunks[seq.request_id] = self._make_chunk(seq, n, self.kv.block_ids(seq), reset=True)
+
+    def _make_chunk(self, seq: Sequence, n: int, block_ids: list[int], reset: bool) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq.request_id, seq.token_ids[start:start + n], start, block_ids, reset,
+                              sample=start + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        pairs = self.kv.swap_out(seq) if self.config.preemption_mode == "swap" else None
+        if pairs is not None:
+            out.swap_out += pairs
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def update(self, so: SchedulerOutput, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
+        """Append sampled tokens, finish sequences that stop; returns the sequences that changed."""
+        changed = []
+        for rid, token in zip(ro.req_ids, ro.token_ids):
+            seq = self.requests.get(rid)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.append_token(token)
+            seq.first_token_time = seq.first_token_time or now
+            self._check_stop(seq, token)
+            changed.append(seq)
+        return changed
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return self.finish(seq, "stop")
+            if token in p.stop_token_ids:
+                return self.finish(seq, "stop", token)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.is_finished:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.kv.forget(seq)
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        seq.finish_time = time.monotonic()
+        self.requests.pop(seq.request_id, None)
+        self.static_batch.discard(seq.request_id)
+        if seq.seen_by_runner:
+            self.finished_for_runner.append(seq.request_id)

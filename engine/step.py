@@ -1,0 +1,42 @@
+"""The small data objects that cross between scheduler, executor and model runner each step."""
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_ids_for_min_tokens: list[int]
+
+
+@dataclass
+class ScheduledChunk:
+    req_id: str
+    token_ids: list[int]
+    start: int
+    new_block_ids: list[int]
+    reset_blocks: bool
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
