@@ -1,0 +1,97 @@
+"""Replica autoscaling on KV-cache utilisation (and waiting queue), as a Ray Serve 2.60 policy.
+
+desired = ceil(n * mean_utilisation / target) outside a dead band of +-tolerance around the target,
+raised to ceil(n * mean_waiting / target_waiting_per_replica) when queues are long; a direction
+must persist for its delay before it is taken; min/max bound the result. n = replicas that
+reported metrics; while replicas are still starting (n < current) it never scales down.
+
+Replica side: `def record_autoscaling_stats(self) -> dict[str, float]: return
+autoscaling_metrics(engine.stats())`. Deployment side: `autoscaling_config.policy =
+{policy_function: "cluster.autoscaling:KVCacheAutoscalingPolicy", policy_kwargs: {...}}`, where
+policy_kwargs are `KVScalingConfig` fields except min/max (those come from the autoscaling_config).
+"""
+from dataclasses import dataclass, replace
+import math
+import time
+from typing import Any, Sequence
+
+from engine.stats import EngineStats
+
+from cluster.stats import ReplicaStats
+
+UTILIZATION_METRIC = "kv_cache_utilization"
+WAITING_METRIC = "num_waiting"
+
+
+@dataclass(frozen=True)
+class KVScalingConfig:
+    target_kv_utilization: float = 0.7
+    tolerance: float = 0.1
+    target_waiting_per_replica: float = 4.0
+    upscale_delay_s: float = 0.0
+    downscale_delay_s: float = 30.0
+    min_replicas: int = 1
+    max_replicas: int = 8
+
+    def __post_init__(self) -> None:
+        assert 0.0 < self.target_kv_utilization <= 1.0 and 0.0 <= self.tolerance < 1.0
+        assert 0 <= self.min_replicas <= self.max_replicas
+
+
+def autoscaling_metrics(stats: EngineStats | ReplicaStats) -> dict[str, float]:
+    """What a replica's `record_autoscaling_stats` returns."""
+    return {UTILIZATION_METRIC: float(stats.kv_cache_utilization), WAITING_METRIC: float(stats.num_waiting)}
+
+
+def _after_delay(state: dict[str, Any], key: str, other: str, delay_s: float, now: float) -> bool:
+    state.pop(other, None)
+    since = state.setdefault(key, now)
+    if now - since + 1e-9 >= delay_s:
+        state.pop(key)
+        return True
+    return False
+
+
+def desired_replicas(current: int, utilizations: Sequence[float], waiting: Sequence[float],
+                     cfg: KVScalingConfig, state: dict[str, Any], now: float) -> int:
+    """`current` is the deployment's current target; one utilisation/waiting value per reporting
+    replica. `state` is mutated (keeps when a scale direction was first wanted)."""
+    n = len(utilizations)
+    want = current
+    if n:
+        mean_util = sum(utilizations) / n
+        mean_wait = sum(waiting) / len(waiting) if waiting else 0.0
+        target = cfg.target_kv_utilization
+        if mean_util > target * (1 + cfg.tolerance) or mean_wait > cfg.target_waiting_per_replica:
+            want = max(current, math.ceil(n * mean_util / target - 1e-9),
+                       math.ceil(n * mean_wait / cfg.target_waiting_per_replica - 1e-9))
+        elif mean_util < target * (1 - cfg.tolerance) and n >= current:
+            want = math.ceil(n * mean_util / target - 1e-9)
+    want = max(cfg.min_replicas, min(cfg.max_replicas, want))
+    if want > current:
+        return want if _after_delay(state, "kv_up_since", "kv_down_since", cfg.upscale_delay_s, now) else current
+    if want < current:
+        return want if _after_delay(state, "kv_down_since", "kv_up_since", cfg.downscale_delay_s, now) else current
+    state.pop("kv_up_since", None)
+    state.pop("kv_down_since", None)
+    return current
+
+
+class KVCacheAutoscalingPolicy:
+    """Class-callable `AutoscalingPolicy.policy_function`; Ray 2.60 builds it once with policy_kwargs."""
+
+    def __init__(self, **kwargs: Any):
+        self.config = KVScalingConfig(**kwargs)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        metrics = ctx.aggregated_metrics or {}
+        util = metrics.get(UTILIZATION_METRIC, {})
+        wait = metrics.get(WAITING_METRIC, {})
+        running = list(ctx.running_replicas)
+        cfg = replace(self.config, min_replicas=ctx.capacity_adjusted_min_replicas,
+                      max_replicas=ctx.capacity_adjusted_max_replicas)
+        state = dict(ctx.policy_state or {})
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        n = desired_replicas(ctx.target_num_replicas, [float(util[r]) for r in running if r in util],
+                             [float(wait[r]) for r in running if r in wait], cfg, state, now)
+        return n, state

@@ -1,0 +1,173 @@
+"""KV-aware replica choice: prefix affinity + KV headroom + queue, skipping saturated replicas.
+
+Wiring (Ray Serve 2.60):
+- LLM replica deployment: `request_router_config=RequestRouterConfig(request_router_class=
+  "cluster.routing:KVAwareRequestRouter", request_router_kwargs={...RouterConfig fields...},
+  request_routing_stats_period_s=0.5)`, and a replica method
+  `def record_routing_stats(self) -> dict: return engine_stats.to_dict()` (replica_id optional).
+  Ray's controller polls it and hands it to the router as `RunningReplica.routing_stats`.
+- Caller (router deployment): pass a `RoutingHint` as the keyword argument `routing_hint` of the
+  handle call, e.g. `handle.generate.remote(request, routing_hint=RoutingHint.from_token_ids(ids,
+  16, replicas=tuple(decision.replicas)))`. The replica method must accept (and may ignore)
+  `routing_hint`. A positional `RoutingHint` argument is found too. No hint: load-only routing.
+- Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
+  admission (`serve.get_replica_context().replica_id.unique_id`).
+- The prefix index learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted
+  the request (the default, strict max_ongoing_requests path).
+"""
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.admission import Watermarks
+from cluster.prefix_index import PrefixIndex
+from cluster.stats import BLOCK_SIZE, ReplicaStats, block_hashes, num_blocks
+
+
+@dataclass(frozen=True)
+class RoutingHint:
+    prefix_hashes: tuple[bytes, ...] = ()
+    num_prompt_blocks: int = 0
+    replicas: tuple[str, ...] = ()
+
+    @classmethod
+    def from_token_ids(cls, token_ids: Sequence[int], block_size: int = BLOCK_SIZE,
+                       replicas: Sequence[str] = ()) -> "RoutingHint":
+        return cls(tuple(block_hashes(token_ids, block_size)), num_blocks(len(token_ids), block_size), tuple(replicas))
+
+
+def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None:
+    hint = kwargs.get("routing_hint")
+    if isinstance(hint, RoutingHint):
+        return hint
+    return next((a for a in args if isinstance(a, RoutingHint)), None)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    affinity_weight: float = 1.0
+    headroom_weight: float = 0.5
+    queue_weight: float = 0.5
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+    max_queue_imbalance: int = 8
+    max_pressure_imbalance: float = 0.5
+    max_blocks_per_replica: int = 65536
+    block_size: int = BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica_id: str
+    stats: ReplicaStats | None = None
+    ongoing: int = 0
+
+
+@dataclass(frozen=True)
+class Scored:
+    replica_id: str
+    score: float
+    affinity: float
+    headroom: float
+    load: int
+    pressure: float
+    saturated: bool
+
+
+def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[bytes], index: PrefixIndex,
+                   cfg: RouterConfig, was_saturated: dict[str, bool] | None = None) -> list[Scored]:
+    """Scores, best first. Replicas without stats count as empty but keep the router's in-flight count."""
+    marks = Watermarks(cfg.high_watermark, cfg.low_watermark)
+    was_saturated = was_saturated or {}
+    out = []
+    for c in candidates:
+        s = c.stats
+        pressure = s.pressure(cfg.block_size) if s else 0.0
+        load = max(s.num_running + s.num_waiting if s else 0, c.ongoing)
+        affinity = index.match(c.replica_id, prefix_hashes) / len(prefix_hashes) if prefix_hashes else 0.0
+        headroom = min(1.0, max(0.0, 1.0 - pressure))
+        score = cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
+        saturated = marks.saturated(was_saturated.get(c.replica_id, False), pressure) if s else False
+        out.append(Scored(c.replica_id, score, affinity, headroom, load, pressure, saturated))
+    return sorted(out, key=lambda x: (-x.score, x.load, x.replica_id))
+
+
+def overloaded(preferred: Scored, least: Scored, cfg: RouterConfig) -> bool:
+    return (preferred.load - least.load > cfg.max_queue_imbalance
+            or preferred.pressure - least.pressure > cfg.max_pressure_imbalance)
+
+
+def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = ()) -> list[str]:
+    """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
+    relative to it), then the rest. Saturated replicas only when every replica is saturated;
+    replicas outside `allowed` (admission's list) only after the allowed ones."""
+    usable = [s for s in scored if not s.saturated] or sorted(scored, key=lambda s: (s.load, s.pressure))
+    if not usable:
+        return []
+    ok = set(allowed)
+    pool = [s for s in usable if s.replica_id in ok] or usable
+    rest = [s for s in usable if s not in pool]
+    preferred = pool[0]
+    least = min(pool, key=lambda s: (s.load, s.pressure))
+    first = least if overloaded(preferred, least, cfg) else preferred
+    return [first.replica_id] + [s.replica_id for s in pool + rest if s is not first]
+
+
+class KVAwareRequestRouter(RequestRouter):
+    """Ray Serve RequestRouter over `score_replicas`/`choose`; kwargs = `RouterConfig` fields."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.config = RouterConfig(**kwargs)
+        self.index = PrefixIndex(self.config.max_blocks_per_replica)
+        self.saturated: dict[str, bool] = {}
+
+    def _ensure_state(self) -> None:
+        if not hasattr(self, "config"):
+            self.initialize_state()
+
+    def candidates(self, replicas: Sequence[RunningReplica]) -> list[Candidate]:
+        out = []
+        cache = getattr(self, "_replica_queue_len_cache", None)
+        for r in replicas:
+            rid = r.replica_id.unique_id
+            raw = r.routing_stats or {}
+            stats = ReplicaStats.from_dict({**raw, "replica_id": rid}) if raw.get("kv_blocks_total") else None
+            ongoing = cache.get(r.replica_id) if cache is not None else None
+            out.append(Candidate(rid, stats, ongoing or 0))
+        return out
+
+    def rank(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None) -> list[RunningReplica]:
+        self._ensure_state()
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        scored = score_replicas(self.candidates(replicas), hint.prefix_hashes if hint else (), self.index,
+                                self.config, self.saturated)
+        self.saturated.update({s.replica_id: s.saturated for s in scored})
+        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        hint = None
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # else Ray retries full replicas without sleeping
+            hint = find_hint(pending_request.args, pending_request.kwargs)
+        return [[r] for r in self.rank(candidate_replicas, hint)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._ensure_state()
+        hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request else None
+        if hint and hint.prefix_hashes:
+            self.index.record(replica_id.unique_id, hint.prefix_hashes)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._ensure_state()
+        live = {r.replica_id.unique_id for r in replicas}
+        self.index.retain(live)
+        self.saturated = {k: v for k, v in self.saturated.items() if k in live}
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ensure_state()
+        self.index.drop(replica_id.unique_id)
+        self.saturated.pop(replica_id.unique_id, None)

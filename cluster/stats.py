@@ -1,0 +1,92 @@
+"""Plain load snapshots of one replica, and the block hashes the cluster layer keys prefixes by.
+
+A replica reports `EngineStats.to_dict() | {"replica_id": id}`; `ReplicaStats.from_dict` reads it.
+The replica id is `serve.get_replica_context().replica_id.unique_id` everywhere in cluster/.
+"""
+from dataclasses import asdict, dataclass, fields
+import hashlib
+import math
+import struct
+from typing import Any, Sequence
+
+from engine.stats import EngineStats
+
+BLOCK_SIZE = 16
+HASH_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    replica_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0
+    timestamp: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ReplicaStats":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known and v is not None}
+        kw["replica_id"] = str(d["replica_id"])
+        return cls(**kw)
+
+    @classmethod
+    def from_engine(cls, replica_id: str, stats: EngineStats) -> "ReplicaStats":
+        return cls.from_dict({**stats.to_dict(), "replica_id": replica_id})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kv_blocks_used"] = self.kv_blocks_used
+        d["kv_cache_utilization"] = self.kv_cache_utilization
+        return d
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def waiting_blocks(self, block_size: int = BLOCK_SIZE) -> int:
+        return num_blocks(self.num_waiting_tokens, block_size)
+
+    def room_blocks(self, block_size: int = BLOCK_SIZE) -> int:
+        """Free blocks left once the already-waiting prompts are placed."""
+        return self.kv_blocks_free - self.waiting_blocks(block_size)
+
+    def pressure(self, block_size: int = BLOCK_SIZE) -> float:
+        """KV demand / capacity: used blocks plus blocks the waiting queue will need. May exceed 1."""
+        if not self.kv_blocks_total:
+            return 1.0
+        return (self.kv_blocks_used + self.waiting_blocks(block_size)) / self.kv_blocks_total
+
+
+def num_blocks(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return math.ceil(num_tokens / block_size) if num_tokens > 0 else 0
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """Chain hash per FULL block: h_i = blake2b(h_{i-1} || token ids of block i)."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = struct.pack(f"<{block_size}q", *token_ids[start:start + block_size])
+        parent = hashlib.blake2b(parent + block, digest_size=HASH_BYTES).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def push_due(last: ReplicaStats | None, current: ReplicaStats, last_push_at: float, now: float,
+             interval_s: float = 0.1, big_change: float = 0.1) -> bool:
+    """Replica-side push rule: every `interval_s`, or at once on a big change in KV pressure/queue."""
+    if last is None or now - last_push_at >= interval_s:
+        return True
+    if current.num_preemptions != last.num_preemptions:
+        return True
+    if abs(current.pressure() - last.pressure()) >= big_change:
+        return True
+    return current.num_waiting > 0 and last.num_waiting == 0

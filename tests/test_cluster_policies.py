@@ -1,0 +1,398 @@
+"""Cluster policies without a Ray cluster: admission, routing, autoscaling, and their thin adapters."""
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from cluster.admission import (AdmissionActor, AdmissionConfig, AdmissionController, Decision, Watermarks,
+                               prometheus_text)
+from cluster.autoscaling import KVCacheAutoscalingPolicy, KVScalingConfig, autoscaling_metrics, desired_replicas
+from cluster.prefix_index import PrefixIndex
+from cluster.routing import (Candidate, KVAwareRequestRouter, RouterConfig, RoutingHint, choose, find_hint,
+                             score_replicas)
+from cluster.stats import ReplicaStats, block_hashes, num_blocks, push_due
+from engine.stats import EngineStats
+
+
+def rs(rid: str, used: int = 0, total: int = 100, waiting: int = 0, waiting_tokens: int = 0, running: int = 0,
+       preemptions: int = 0, ts: float = 0.0) -> ReplicaStats:
+    return ReplicaStats(rid, num_running=running, num_waiting=waiting, num_waiting_tokens=waiting_tokens,
+                        kv_blocks_total=total, kv_blocks_free=total - used, num_preemptions=preemptions, timestamp=ts)
+
+
+# ---------------------------------------------------------------- stats
+
+def test_replica_stats_from_engine_dict():
+    e = EngineStats(num_running=3, num_waiting=2, num_waiting_tokens=40, kv_blocks_total=100, kv_blocks_free=30,
+                    num_preemptions=1, timestamp=5.0)
+    s = ReplicaStats.from_dict({**e.to_dict(), "replica_id": "r1"})
+    assert s == ReplicaStats.from_engine("r1", e)
+    assert (s.replica_id, s.num_running, s.kv_blocks_used, s.num_preemptions, s.timestamp) == ("r1", 3, 70, 1, 5.0)
+    assert s.kv_cache_utilization == pytest.approx(0.7)
+    assert s.waiting_blocks(16) == 3 and s.room_blocks(16) == 27
+    assert s.pressure(16) == pytest.approx(0.73)
+    assert ReplicaStats.from_dict(s.to_dict()) == s
+    assert ReplicaStats("x").pressure() == 1.0  # no capacity known: treat as full
+
+
+def test_block_hashes_chain_full_blocks_only():
+    ids = list(range(50))
+    h = block_hashes(ids, 16)
+    assert len(h) == 3 and len(set(h)) == 3 and all(isinstance(x, bytes) for x in h)
+    assert block_hashes(ids[:48], 16) == h and block_hashes(ids[:47], 16) == h[:2]
+    assert block_hashes(ids + [7, 8], 16) == h
+    other = block_hashes([99] + ids[1:], 16)
+    assert all(a != b for a, b in zip(h, other))  # a change in block 0 changes every later hash
+    assert block_hashes(list(range(16, 32)), 16)[0] != h[1]  # same tokens, different parent
+    assert block_hashes([], 16) == [] and num_blocks(0) == 0 and num_blocks(17, 16) == 2
+
+
+def test_push_due_interval_and_big_changes():
+    a = rs("r", used=10)
+    assert push_due(None, a, 0.0, 0.0)
+    assert not push_due(a, rs("r", used=12), 0.0, 0.05)
+    assert push_due(a, rs("r", used=12), 0.0, 0.1)
+    assert push_due(a, rs("r", used=30), 0.0, 0.01)
+    assert push_due(a, rs("r", used=10, preemptions=1), 0.0, 0.01)
+    assert push_due(a, rs("r", used=10, waiting=1), 0.0, 0.01)
+
+
+def test_prefix_index_lru_evicts_deep_blocks_first():
+    idx = PrefixIndex(max_blocks_per_replica=4)
+    h = block_hashes(list(range(16 * 3)), 16)
+    idx.record("a", h)
+    assert idx.match("a", h) == 3 and idx.match("a", h[:2]) == 2 and idx.match("b", h) == 0
+    g = block_hashes(list(range(1000, 1032)), 16)
+    idx.record("a", g)
+    assert idx.size("a") == 4
+    assert idx.match("a", g) == 2 and idx.match("a", h) == 2  # h's deepest block went first
+    idx.retain(["b"])
+    assert idx.replicas() == [] and idx.match("a", h) == 0
+
+
+# ---------------------------------------------------------------- admission
+
+def test_watermark_hysteresis():
+    w = Watermarks(high=0.9, low=0.75)
+    sat, seen = False, []
+    for p in [0.5, 0.89, 0.95, 0.85, 0.76, 0.7, 0.85, 0.91]:
+        sat = w.saturated(sat, p)
+        seen.append(sat)
+    assert seen == [False, False, True, True, True, False, False, True]
+
+
+def test_admission_hysteresis_per_replica():
+    c = AdmissionController(AdmissionConfig(high_watermark=0.9, low_watermark=0.75))
+    c.update(rs("a", used=95, ts=1), now=1.0)
+    c.update(rs("b", used=10, ts=1), now=1.0)
+    assert c.decide(2, now=1.0).replicas == ["b"]
+    c.update(rs("a", used=80, ts=2), now=1.1)  # below high but not below low: still closed
+    assert c.decide(2, now=1.1).replicas == ["b"]
+    c.update(rs("a", used=70, ts=3), now=1.2)
+    assert c.decide(2, now=1.2).replicas == ["b", "a"]
+
+
+def test_admission_counts_waiting_queue_as_pressure():
+    c = AdmissionController(AdmissionConfig(block_size=16))
+    c.update(rs("a", used=50, waiting=10, waiting_tokens=16 * 45), now=0.0)  # 50 used + 45 queued > 90%
+    d = c.decide(1, now=0.0)
+    assert not d.admit and d.reason == "saturated"
+
+
+def test_admission_staleness_counts_as_saturated():
+    c = AdmissionController(AdmissionConfig(staleness_s=0.5, drop_after_s=5.0))
+    c.update(rs("a", used=10), now=0.0)
+    c.update(rs("b", used=20), now=0.4)
+    assert set(c.decide(1, now=0.4).replicas) == {"a", "b"}
+    assert c.decide(1, now=0.7).replicas == ["b"]
+    d = c.decide(1, now=1.0)
+    assert (d.admit, d.reason) == (False, "stale") and d.retry_after_s > 0
+    assert c.expire(now=5.2) == ["a"] and list(c.replicas) == ["b"]
+
+
+def test_refuse_when_every_replica_saturated():
+    c = AdmissionController(AdmissionConfig(retry_after_s=2.0))
+    for rid in "abc":
+        c.update(rs(rid, used=95), now=0.0)
+    d = c.decide(1, now=0.0)
+    assert d == Decision(False, [], 2.0, "saturated")
+
+
+def test_admission_room_order_and_refusals():
+    c = AdmissionController()
+    assert c.decide(1, 0.0).reason == "no_replicas"
+    c.update(rs("a", used=60), now=0.0)
+    c.update(rs("b", used=30), now=0.0)
+    d = c.decide(50, now=0.0)
+    assert d.admit and d.replicas == ["b"]  # only b has 50 free blocks
+    assert c.decide(10, now=0.0).replicas == ["b", "a"]  # most room first
+    assert c.decide(80, now=0.0).reason == "no_room"
+    d = c.decide(101, now=0.0)
+    assert (d.admit, d.reason, d.retry_after_s) == (False, "prompt_too_large", 0.0)
+    c.reserve("b", 40)
+    assert c.decide(50, now=0.0).reason == "no_room"
+    c.update(rs("b", used=30, ts=1), now=0.1)  # fresh stats replace the reservation
+    assert c.decide(50, now=0.1).replicas == ["b"]
+
+
+def test_admission_dead_replica_dropped_and_out_of_order_ignored():
+    c = AdmissionController()
+    c.update(rs("a", used=10, ts=5.0), now=0.0)
+    c.update(rs("a", used=99, ts=4.0), now=0.1)  # late delivery of an older report
+    assert c.replicas["a"].stats.kv_blocks_used == 10
+    c.forget("a")
+    assert c.decide(1, now=0.1).reason == "no_replicas"
+    c.update(rs("b"), now=0.0)
+    c.update(rs("c"), now=0.0)
+    c.retain(["c"])
+    assert list(c.replicas) == ["c"]
+
+
+def test_preemption_saturates_until_below_low():
+    c = AdmissionController()
+    c.update(rs("a", used=80, preemptions=0), now=0.0)
+    c.update(rs("a", used=80, preemptions=2), now=0.1)
+    assert c.decide(1, now=0.1).reason == "saturated"
+    c.update(rs("a", used=50, preemptions=2), now=0.2)
+    assert c.decide(1, now=0.2).admit
+
+
+def test_snapshot_restore_rebases_ages():
+    actor = AdmissionController()
+    actor.update(rs("a", used=95), now=100.0)
+    actor.update(rs("b", used=20, running=3), now=100.3)
+    snap = actor.snapshot(now=100.4)
+    assert snap["totals"]["replicas"] == 2 and snap["totals"]["admitting"] == 1
+    assert snap["totals"]["kv_cache_utilization"] == pytest.approx(0.575)
+    router = AdmissionController.from_snapshot(snap, now=7.0)  # another host, another clock
+    assert router.decide(1, now=7.0).replicas == ["b"]
+    assert router.decide(1, now=7.5).reason == "stale"  # b was 0.1 s old: stale 0.4 s later
+    assert router.replicas["a"].saturated
+
+
+def test_admission_actor_body_and_metrics():
+    clock = [10.0]
+    actor = AdmissionActor({"staleness_s": 1.0, "drop_after_s": 3.0}, clock=lambda: clock[0])
+    actor.report({**EngineStats(kv_blocks_total=64, kv_blocks_free=60).to_dict(), "replica_id": "r1"})
+    actor.report({**EngineStats(kv_blocks_total=64, kv_blocks_free=1).to_dict(), "replica_id": "r2"})
+    snap = actor.snapshot()
+    assert [r["replica_id"] for r in snap["replicas"]] == ["r1", "r2"]
+    assert [r["admitting"] for r in snap["replicas"]] == [True, False]
+    text = prometheus_text(snap)
+    assert 'conveyor_replica_saturated{replica="r2"} 1.0' in text and "conveyor_cluster_admitting 1.0" in text
+    actor.forget("r2")
+    clock[0] = 14.0
+    assert actor.snapshot()["replicas"] == []  # r1 stopped reporting: dropped
+    actor.configure({"high_watermark": 0.95})
+    assert actor.controller.config.high_watermark == 0.95
+
+
+# ---------------------------------------------------------------- routing
+
+CFG = RouterConfig()
+
+
+def test_router_scores_affinity_headroom_queue():
+    idx = PrefixIndex()
+    h = block_hashes(list(range(64)), 16)
+    idx.record("a", h[:3])
+    cands = [Candidate("a", rs("a", used=40, running=2)), Candidate("b", rs("b", used=40, running=2)),
+             Candidate("c", rs("c", used=10, running=2)), Candidate("d", rs("d", used=40, running=9))]
+    scored = {s.replica_id: s for s in score_replicas(cands, h, idx, CFG)}
+    assert scored["a"].affinity == 0.75 and scored["b"].affinity == 0.0
+    assert scored["a"].score > scored["c"].score > scored["b"].score > scored["d"].score
+    assert choose(score_replicas(cands, h, idx, CFG), CFG)[0] == "a"
+    assert choose(score_replicas(cands, (), idx, CFG), CFG)[0] == "c"
+
+
+def test_router_skips_replicas_above_high_watermark_with_hysteresis():
+    idx = PrefixIndex()
+    h = block_hashes(list(range(32)), 16)
+    idx.record("a", h)
+    cands = [Candidate("a", rs("a", used=95)), Candidate("b", rs("b", used=50))]
+    scored = score_replicas(cands, h, idx, CFG)
+    assert choose(scored, CFG) == ["b"]
+    was = {s.replica_id: s.saturated for s in scored}
+    cands[0] = Candidate("a", rs("a", used=80))
+    assert choose(score_replicas(cands, h, idx, CFG, was), CFG) == ["b"]
+    assert choose(score_replicas(cands, h, idx, CFG, {}), CFG)[0] == "a"
+
+
+def test_router_falls_back_when_preferred_overloaded_vs_least_loaded():
+    idx = PrefixIndex()
+    h = block_hashes(list(range(64)), 16)
+    idx.record("a", h)
+    cfg = RouterConfig(max_queue_imbalance=4, max_pressure_imbalance=0.5)
+    busy = [Candidate("a", rs("a", used=30, running=12)), Candidate("b", rs("b", used=30, running=2))]
+    assert choose(score_replicas(busy, h, idx, cfg), cfg) == ["b", "a"]
+    calm = [Candidate("a", rs("a", used=30, running=5)), Candidate("b", rs("b", used=30, running=2)),
+            Candidate("c", rs("c", used=60, running=40))]  # a very busy c elsewhere does not matter
+    assert choose(score_replicas(calm, h, idx, cfg), cfg)[0] == "a"
+    hot = [Candidate("a", rs("a", used=85)), Candidate("b", rs("b", used=20))]
+    assert choose(score_replicas(hot, h, idx, cfg), cfg)[0] == "b"  # pressure gap 0.65 > 0.5
+    inflight = [Candidate("a", rs("a", used=30), ongoing=20), Candidate("b", rs("b", used=30))]
+    assert choose(score_replicas(inflight, h, idx, cfg), cfg)[0] == "b"  # router's own in-flight count
+
+
+def test_router_all_saturated_least_loaded_and_allowed_first():
+    cands = [Candidate("a", rs("a", used=99, running=5)), Candidate("b", rs("b", used=95, running=1))]
+    assert choose(score_replicas(cands, (), PrefixIndex(), CFG), CFG) == ["b", "a"]
+    cands = [Candidate("a", rs("a", used=10)), Candidate("b", rs("b", used=50)), Candidate("c", rs("c", used=20))]
+    assert choose(score_replicas(cands, (), PrefixIndex(), CFG), CFG, allowed=["b", "c"]) == ["c", "b", "a"]
+    assert choose([], CFG) == []
+
+
+def test_routing_hint_and_lookup():
+    ids = list(range(40))
+    hint = RoutingHint.from_token_ids(ids, 16, replicas=["r1"])
+    assert hint.prefix_hashes == tuple(block_hashes(ids, 16)) and hint.num_prompt_blocks == 3
+    assert find_hint(["req"], {"routing_hint": hint}) is hint
+    assert find_hint(["req", hint], {}) is hint
+    assert find_hint(["req"], {}) is None
+
+
+class FakeReplica:
+    def __init__(self, rid: str, stats: dict):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+        self.replica_id = ReplicaID(rid, DeploymentID(name="llm", app_name="conveyor"))
+        self.routing_stats = stats
+        self.max_ongoing_requests = 64
+
+
+def _router(**kwargs) -> KVAwareRequestRouter:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    router = KVAwareRequestRouter(deployment_id=DeploymentID(name="llm", app_name="conveyor"),
+                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router.initialize_state(**kwargs)
+    return router
+
+
+def test_kv_aware_request_router_smoke():
+    router = _router(max_queue_imbalance=100)
+    def es(free: int, running: int) -> dict:
+        return EngineStats(num_running=running, kv_blocks_total=100, kv_blocks_free=free).to_dict()
+
+    reps = [FakeReplica("r1", es(90, 0)), FakeReplica("r2", es(60, 3)), FakeReplica("r3", {})]
+    hint = RoutingHint.from_token_ids(list(range(64)), 16)
+    pr = SimpleNamespace(args=["req"], kwargs={"routing_hint": hint},
+                         routing_context=SimpleNamespace(should_backoff=False))
+    ranks = asyncio.run(router.choose_replicas(reps, pr))
+    assert pr.routing_context.should_backoff
+    assert all(len(r) == 1 for r in ranks) and ranks[0][0].replica_id.unique_id in {"r1", "r3"}
+    router.on_request_routed(pr, reps[1].replica_id, None)
+    assert router.index.match("r2", hint.prefix_hashes) == 4
+    assert asyncio.run(router.choose_replicas(reps, pr))[0][0] is reps[1]  # affinity now wins
+    assert asyncio.run(router.choose_replicas(reps, None))[0][0] is not reps[1]
+    router.on_new_queue_len_info(reps[2].replica_id, 30)  # r3 has no stats, but 30 requests in flight
+    assert asyncio.run(router.choose_replicas(reps, None))[0][0] is reps[0]
+    reps[1].routing_stats = es(2, 3)  # above the high watermark: skipped despite affinity
+    assert reps[1] not in [r[0] for r in asyncio.run(router.choose_replicas(reps, pr))]
+    router.on_replica_actor_died(reps[1].replica_id)
+    assert router.index.match("r2", hint.prefix_hashes) == 0 and "r2" not in router.saturated
+
+
+# ---------------------------------------------------------------- autoscaling
+
+SCALE = KVScalingConfig(target_kv_utilization=0.5, tolerance=0.1, target_waiting_per_replica=4,
+                        upscale_delay_s=0.0, downscale_delay_s=10.0, min_replicas=1, max_replicas=6)
+
+
+def test_autoscaling_up_down_hold():
+    assert desired_replicas(2, [0.9, 0.7], [0, 0], SCALE, {}, 0.0) == 4  # ceil(2 * 0.8 / 0.5)
+    assert desired_replicas(2, [0.52, 0.5], [0, 0], SCALE, {}, 0.0) == 2  # inside the dead band
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, {}, 0.0) == 4  # down needs 10 s
+    state: dict = {}
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, state, 0.0) == 4
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, state, 9.0) == 4
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, state, 10.0) == 2  # ceil(4 * 0.2 / 0.5)
+    assert state == {}
+
+
+def test_autoscaling_hysteresis_resets_and_no_flap():
+    state: dict = {}
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, state, 0.0) == 4
+    assert desired_replicas(4, [0.5] * 4, [0] * 4, SCALE, state, 5.0) == 4  # load came back: timer reset
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, state, 12.0) == 4
+    assert desired_replicas(4, [0.2] * 4, [0] * 4, SCALE, state, 22.0) == 2
+    n, util = 1, 0.95  # after scaling to ceil(n u / t) the new per-replica load holds steady
+    m = desired_replicas(n, [util], [0], SCALE, {}, 0.0)
+    assert m == 2 and desired_replicas(m, [n * util / m] * m, [0] * m, SCALE, {}, 100.0) == m
+
+
+def test_autoscaling_bounds_waiting_and_starting():
+    assert desired_replicas(4, [1.0] * 4, [0] * 4, SCALE, {}, 0.0) == 6  # max
+    assert desired_replicas(2, [0.0, 0.0], [0, 0], SCALE, {}, 100.0) == 2  # down after delay...
+    state: dict = {}
+    desired_replicas(2, [0.0, 0.0], [0, 0], SCALE, state, 0.0)
+    assert desired_replicas(2, [0.0, 0.0], [0, 0], SCALE, state, 10.0) == 1  # ...never below min
+    assert desired_replicas(2, [0.5, 0.5], [10, 10], SCALE, {}, 0.0) == 5  # ceil(2 * 10 / 4)
+    assert desired_replicas(4, [0.1, 0.1], [0, 0], SCALE, {"kv_down_since": -99.0}, 0.0) == 4  # 2 of 4 up
+    assert desired_replicas(3, [], [], SCALE, {}, 0.0) == 3
+    assert desired_replicas(9, [0.5] * 9, [0] * 9, SCALE, {"kv_down_since": 0.0}, 10.0) == 6
+
+
+def test_autoscaling_metrics_from_stats():
+    m = autoscaling_metrics(EngineStats(num_waiting=3, kv_blocks_total=10, kv_blocks_free=4))
+    assert m == {"kv_cache_utilization": pytest.approx(0.6), "num_waiting": 3.0}
+    assert all(isinstance(v, float) for v in m.values())
+
+
+SERVE_YAML = """
+applications:
+- name: conveyor
+  route_prefix: /
+  import_path: deployments.app:app
+  deployments:
+  - name: LLMReplica
+    max_ongoing_requests: 64
+    autoscaling_config:
+      min_replicas: 1
+      max_replicas: 4
+      look_back_period_s: 15
+      upscale_delay_s: 0
+      downscale_delay_s: 0
+      policy:
+        policy_function: cluster.autoscaling:KVCacheAutoscalingPolicy
+        policy_kwargs: {target_kv_utilization: 0.7, tolerance: 0.1, target_waiting_per_replica: 4,
+                        upscale_delay_s: 5, downscale_delay_s: 60}
+    request_router_config:
+      request_router_class: cluster.routing:KVAwareRequestRouter
+      request_routing_stats_period_s: 0.5
+      request_routing_stats_timeout_s: 2
+      request_router_kwargs: {affinity_weight: 1.0, headroom_weight: 0.5, queue_weight: 0.5,
+                              high_watermark: 0.9, low_watermark: 0.75, max_queue_imbalance: 8}
+"""
+
+
+def test_serve_config_yaml_builds_policy_and_router():
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext, RequestRouterConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    dep = ServeDeploySchema(**yaml.safe_load(SERVE_YAML)).applications[0].deployments[0]
+    router_cfg = RequestRouterConfig(**dep.request_router_config)
+    assert router_cfg.get_request_router_class() is KVAwareRequestRouter
+    assert RouterConfig(**router_cfg.request_router_kwargs).max_queue_imbalance == 8
+    autoscaling = AutoscalingConfig(**dep.autoscaling_config)
+    policy = _resolve_policy_callable(autoscaling.policy)
+    assert isinstance(policy, KVCacheAutoscalingPolicy) and policy.config.downscale_delay_s == 60
+
+    def ctx(util: list[float], t: float, state: dict) -> AutoscalingContext:
+        ids = [f"r{i}" for i in range(len(util))]
+        return AutoscalingContext(
+            deployment_id=None, deployment_name="LLMReplica", app_name="conveyor",
+            current_num_replicas=len(ids), target_num_replicas=len(ids), running_replicas=ids,
+            total_num_requests=1.0, total_queued_requests=0.0,
+            aggregated_metrics={"kv_cache_utilization": dict(zip(ids, util)), "num_waiting": dict.fromkeys(ids, 0.0)},
+            raw_metrics={}, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=state,
+            last_scale_up_time=None, last_scale_down_time=None, current_time=t, config=autoscaling)
+
+    wrapped = _apply_autoscaling_config(policy)  # Ray's own wrapper: bounds, factors, its (zero) delays
+    n, state = wrapped(ctx([0.9, 0.9], 0.0, {}))
+    assert n == 2 and "kv_up_since" in state  # our 5 s upscale delay runs
+    n, state = wrapped(ctx([0.9, 0.9], 5.0, state))
+    assert n == 3  # ceil(2 * 0.9 / 0.7)
+    n, _ = wrapped(ctx([1.0] * 3, 5.0, {"kv_up_since": 0.0}))
+    assert n == 4  # ceil(3 / 0.7) = 5, bounded by max_replicas
