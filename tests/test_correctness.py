@@ -1,0 +1,93 @@
+"""Greedy outputs must match transformers' generate token for token (float32), whatever the
+scheduling: chunked prefill, preemption, static batching, prefix-cache hits."""
+import pytest
+
+from tests.helpers import PROMPTS, assert_no_leak, engine_greedy, hf_greedy, prompt_ids
+
+MAX_TOKENS = 24
+MODELS = [f"demo:{arch}-tiny{tied}" for arch in ("llama", "mistral", "qwen2", "qwen3") for tied in ("", "-tied")]
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    cache = {}
+
+    def get(model: str) -> tuple[list[list[int]], list[list[int]]]:
+        if model not in cache:
+            prompts = prompt_ids(model)
+            cache[model] = prompts, hf_greedy(model, prompts, MAX_TOKENS)
+        return cache[model]
+    return get
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_matches_transformers(oracle, model: str) -> None:
+    prompts, expected = oracle(model)
+    got, llm = engine_greedy(model, prompts, MAX_TOKENS)
+    assert got == expected
+    assert_no_leak(llm)
+
+
+def test_outputs_depend_on_context(oracle) -> None:
+    prompts, expected = oracle("demo:llama-tiny")
+    assert len({tuple(e[:8]) for e in expected}) == len(expected)
+    changed = [list(p) for p in prompts[1:]]
+    for p in changed:
+        p[1] = (p[1] + 1) % 8192
+    got, _ = engine_greedy("demo:llama-tiny", changed, MAX_TOKENS)
+    assert sum(g != e for g, e in zip(got, expected[1:])) >= len(changed) - 1
+
+
+@pytest.mark.parametrize("options", [
+    {"max_num_batched_tokens": 7},
+    {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 5, "max_num_partial_prefills": 1},
+    {"scheduling_policy": "static", "max_num_seqs": 2},
+    {"max_num_seqs": 1},
+], ids=["chunked", "long-prefill-cap", "static", "one-seq"])
+def test_scheduling_does_not_change_outputs(oracle, options: dict) -> None:
+    prompts, expected = oracle("demo:qwen3-tiny")
+    got, llm = engine_greedy("demo:qwen3-tiny", prompts, MAX_TOKENS, **options)
+    assert got == expected
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_does_not_change_outputs(oracle, mode: str) -> None:
+    prompts, expected = oracle("demo:llama-tiny")
+    got, llm = engine_greedy("demo:llama-tiny", prompts, MAX_TOKENS, num_blocks=20, block_size=8,
+                             preemption_mode=mode, swap_space=2 ** 20, enable_prefix_caching=False)
+    assert llm.engine.stats().num_preemptions > 0
+    assert got == expected
+    assert_no_leak(llm)
+
+
+def test_prefix_cache_hits_do_not_change_outputs(oracle) -> None:
+    prompts, expected = oracle("demo:llama-tiny")
+    shared = [prompts[3], prompts[3][:37], prompts[3] + prompts[1][1:]]
+    reference = hf_greedy("demo:llama-tiny", shared, MAX_TOKENS)
+    got, llm = engine_greedy("demo:llama-tiny", shared, MAX_TOKENS, block_size=8)
+    again = llm.generate([{"prompt_token_ids": p} for p in shared],
+                         llm_params(), use_tqdm=False)
+    assert got == reference
+    assert [o.outputs[0].token_ids for o in again] == reference
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert all(o.metrics.num_cached_tokens > 0 for o in again)
+    assert_no_leak(llm)
+
+
+def llm_params():
+    from engine import SamplingParams
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(oracle, dtype: str) -> None:
+    from engine import LLM, SamplingParams
+    prompts, expected = oracle("demo:llama-tiny")
+    llm = LLM("demo:llama-tiny", dtype=dtype)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    first = [o.outputs[0].token_ids[0] for o in outs]
+    assert sum(f == e[0] for f, e in zip(first, expected)) >= len(prompts) - 1
+    assert_no_leak(llm)
