@@ -1,0 +1,94 @@
+import asyncio
+from typing import Any, AsyncIterator
+
+import ray
+import torch
+from ray import serve
+
+from deployments.protocol import Delta, GenerateRequest
+from deployments.responses import merge_deltas
+from engine import AsyncEngine, EngineConfig, SamplingParams
+
+
+@serve.deployment(name="LLMReplica", max_ongoing_requests=1024, health_check_period_s=5)
+class LLMReplica:
+    """Owns one AsyncEngine; streams small deltas per choice, aborts on cancellation."""
+
+    def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None) -> None:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+        torch.set_num_threads(torch_threads or max(1, int(cpus)))
+        self.engine = AsyncEngine(EngineConfig(**engine_args))
+        try:
+            self.replica_id = serve.get_replica_context().replica_tag
+        except Exception:
+            self.replica_id = "local"
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
+                "vocab_size": self.engine.vocab_size, "replica": self.replica_id}
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats().to_dict()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.stats().items() if isinstance(v, (int, float))}
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def _pump(self, index: int, request_id: str, prompt: list[int], sp: SamplingParams, priority: int,
+                    queue: asyncio.Queue) -> None:
+        text_len, num_ids, finish = 0, 0, None
+        try:
+            async for out in self.engine.generate(prompt_token_ids=prompt, sampling_params=sp,
+                                                  request_id=request_id, priority=priority):
+                c = out.outputs[0]
+                finish = (c.finish_reason or "stop") if out.finished else None
+                queue.put_nowait(Delta(index=index, text=c.text[text_len:], token_ids=list(c.token_ids[num_ids:]),
+                                       logprobs=list(c.logprobs[num_ids:]) if c.logprobs is not None else None,
+                                       finish_reason=finish))
+                text_len, num_ids = len(c.text), len(c.token_ids)
+            if finish is None:
+                queue.put_nowait(Delta(index=index, text="", token_ids=[], logprobs=None, finish_reason="abort"))
+        except Exception as e:
+            queue.put_nowait(e)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[list[Delta] | dict[str, Any]]:
+        jobs = []
+        for p, prompt in enumerate(req.prompts):
+            for i in range(req.n):
+                kw = dict(req.sampling)
+                if kw.get("seed") is not None:
+                    kw["seed"] += i
+                sp = SamplingParams(**kw)
+                self.engine.validate(prompt, sp)
+                jobs.append((p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp))
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue))
+                 for idx, rid, prompt, sp in jobs]
+        live = {idx: rid for idx, rid, _, _ in jobs}
+        try:
+            while live:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for d in batch:
+                    if isinstance(d, BaseException):
+                        raise d
+                    if d["finish_reason"] is not None:
+                        live.pop(d["index"], None)
+                yield merge_deltas(batch)
+            yield {"replica": self.replica_id, "stats": self.stats()}
+        finally:
+            for t in tasks:
+                t.cancel()
+            for rid in live.values():
+                await self.engine.abort(rid)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,139 @@
+import time
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from deployments.protocol import (
+    ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatStreamChoice,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, DeltaMessage, ErrorInfo, ErrorResponse,
+    TokenLogprob, TopLogprob, UsageInfo,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: BaseModel) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def sse_error(message: str, type: str = "internal_error", code: int = 500) -> str:
+    return sse(ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)))
+
+
+def merge_deltas(deltas: list[Delta]) -> list[Delta]:
+    merged: dict[int, Delta] = {}
+    for d in deltas:
+        m = merged.get(d["index"])
+        if m is None:
+            merged[d["index"]] = Delta(index=d["index"], text=d["text"], token_ids=list(d["token_ids"]),
+                                       logprobs=list(d["logprobs"]) if d["logprobs"] is not None else None,
+                                       finish_reason=d["finish_reason"])
+            continue
+        m["text"] += d["text"]
+        m["token_ids"] += d["token_ids"]
+        if d["logprobs"] is not None:
+            m["logprobs"] = (m["logprobs"] or []) + d["logprobs"]
+        m["finish_reason"] = d["finish_reason"] or m["finish_reason"]
+    return list(merged.values())
+
+
+class ChoiceState:
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.num_tokens = 0
+        self.offset = 0
+        self.finish_reason: str | None = None
+        self.started = False
+        self.logprobs: Any = None
+
+
+class ResponseBuilder:
+    """Turns replica deltas into OpenAI completion / chat responses, streamed or whole."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, num_choices: int, prompt_tokens: int,
+                 num_logprobs: int | None, decode: Callable[[int], str]) -> None:
+        self.chat, self.id, self.model = chat, request_id, model
+        self.created = int(time.time())
+        self.prompt_tokens, self.num_logprobs, self.decode = prompt_tokens, num_logprobs, decode
+        self.choices = [ChoiceState() for _ in range(num_choices)]
+
+    def usage(self) -> UsageInfo:
+        completion = sum(c.num_tokens for c in self.choices)
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion)
+
+    def _logprobs(self, c: ChoiceState, d: Delta) -> Any:
+        if self.num_logprobs is None or d["logprobs"] is None:
+            return None
+        if self.chat:
+            out = ChatLogprobs()
+            for tid, lps in zip(d["token_ids"], d["logprobs"]):
+                top = sorted(lps.items(), key=lambda kv: -kv[1])[:self.num_logprobs]
+                out.content.append(TokenLogprob(**self._top(tid, lps[tid]).model_dump(),
+                                                top_logprobs=[self._top(t, lp) for t, lp in top]))
+            return out
+        out = CompletionLogprobs()
+        for tid, lps in zip(d["token_ids"], d["logprobs"]):
+            tok = self.decode(tid)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lps[tid])
+            out.top_logprobs.append({self.decode(t): lp for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])})
+            out.text_offset.append(c.offset)
+            c.offset += len(tok)
+        return out
+
+    def _top(self, tid: int, lp: float) -> TopLogprob:
+        tok = self.decode(tid)
+        return TopLogprob(token=tok, logprob=max(lp, -9999.0), bytes=list(tok.encode("utf-8")))
+
+    def add(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            c = self.choices[d["index"]]
+            c.text.append(d["text"])
+            c.num_tokens += len(d["token_ids"])
+            c.finish_reason = d["finish_reason"] or c.finish_reason
+            lp = self._logprobs(c, d)
+            if lp is not None:
+                if c.logprobs is None:
+                    c.logprobs = lp
+                elif self.chat:
+                    c.logprobs.content += lp.content
+                else:
+                    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(c.logprobs, k).extend(getattr(lp, k))
+
+    def response(self) -> CompletionResponse | ChatCompletionResponse:
+        if self.chat:
+            choices = [ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)), logprobs=c.logprobs,
+                                  finish_reason=c.finish_reason) for i, c in enumerate(self.choices)]
+            return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                          usage=self.usage())
+        choices = [CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason)
+                   for i, c in enumerate(self.choices)]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+    def chunks(self, deltas: list[Delta]) -> list[str]:
+        out = []
+        for d in merge_deltas(deltas):
+            c = self.choices[d["index"]]
+            c.num_tokens += len(d["token_ids"])
+            c.finish_reason = d["finish_reason"]
+            lp = self._logprobs(c, d)
+            if self.chat:
+                delta = DeltaMessage(content=d["text"], role=None if c.started else "assistant")
+                choice: Any = ChatStreamChoice(index=d["index"], delta=delta, logprobs=lp,
+                                               finish_reason=d["finish_reason"])
+                out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                                   choices=[choice])))
+            else:
+                choice = CompletionChoice(index=d["index"], text=d["text"], logprobs=lp,
+                                          finish_reason=d["finish_reason"])
+                out.append(sse(CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                                  choices=[choice])))
+            c.started = True
+        return out
+
+    def usage_chunk(self) -> str:
+        cls = ChatCompletionChunk if self.chat else CompletionResponse
+        return sse(cls(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage()))

@@ -1,0 +1,232 @@
+import asyncio
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+from transformers import AutoTokenizer
+
+from deployments.metrics import RouterMetrics
+from deployments.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, ModelCard, ModelList, SamplingRequest,
+)
+from deployments.responses import DONE, ResponseBuilder, sse_error
+from engine import SamplingParams
+from engine.demo import resolve_model
+
+app = FastAPI(title="Conveyor")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.response().model_dump(), status_code=e.status, headers=headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return error_response(e)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    if err.get("type") == "json_invalid":
+        return error_response(APIError(f"invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}"))
+    loc = [str(x) for x in err["loc"] if x != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return error_response(APIError(f"{where}: {err['msg']}" if where else str(err["msg"]), param=param))
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(str(e.detail), status=e.status_code, type=kind))
+
+
+def cause(e: BaseException) -> BaseException:
+    return getattr(e, "cause", None) or e
+
+
+def param_of(message: str) -> str | None:
+    m = re.search(r"(?:SamplingParams|EngineConfig)\.(\w+)", message)
+    return m.group(1) if m else None
+
+
+@serve.deployment(name="Router", max_ongoing_requests=4096)
+@serve.ingress(app)
+class Router:
+    """OpenAI-compatible HTTP front: validates and tokenises, then streams deltas from an LLMReplica."""
+
+    def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None) -> None:
+        self.replica = replica
+        self.streaming = replica.options(stream=True)
+        self.model_name = served_model_name or model
+        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+        self.metrics = RouterMetrics()
+        self._info: dict[str, Any] | None = None
+
+    async def info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = await self.replica.info.remote()
+        return self._info
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
+                           type="not_found_error", code="model_not_found")
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def tokenize_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        return [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
+
+    async def prepare(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
+                      where: str) -> GenerateRequest:
+        info = await self.info()
+        limit, vocab = info["max_model_len"], info["vocab_size"]
+        for ids in prompts:
+            if not ids:
+                raise APIError(f"{where} must not be empty", param=where)
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(f"{where} contains token ids outside [0, {vocab})", param=where)
+            need = len(ids) + (max_tokens or 1)
+            if len(ids) >= limit or need > limit:
+                raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                               f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion). "
+                               f"Please reduce the length of the {where} or completion.",
+                               param=where if len(ids) >= limit else "max_tokens")
+        sampling = req.sampling(max_tokens or limit - max(len(p) for p in prompts))
+        try:
+            SamplingParams(**sampling)
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), param=param_of(str(e))) from None
+        return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
+                               priority=req.priority)
+
+    async def stream(self, gen_req: GenerateRequest) -> AsyncIterator[list[Delta]]:
+        gen = self.streaming.generate.remote(gen_req)
+        done = False
+        try:
+            async for item in gen:
+                if isinstance(item, dict):
+                    self.metrics.record_replica(item["replica"], item["stats"])
+                    continue
+                self.metrics.generation_tokens.inc(sum(len(d["token_ids"]) for d in item))
+                yield item
+            done = True
+        finally:
+            if not done:
+                gen.cancel()
+
+    async def run(self, endpoint: str, req: SamplingRequest, gen_req: GenerateRequest, builder: ResponseBuilder,
+                  start: float) -> Response:
+        stream = self.stream(gen_req)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = []
+        except Exception as e:
+            await stream.aclose()
+            e = cause(e)
+            if isinstance(e, ValueError):
+                raise APIError(str(e), param=param_of(str(e))) from None
+            if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
+                raise APIError(f"overloaded: {e}", status=503, type="service_unavailable") from None
+            raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
+        self.metrics.ttft.observe(time.perf_counter() - start)
+        self.metrics.prompt_tokens.inc(builder.prompt_tokens)
+        if not req.stream:
+            builder.add(first)
+            async for deltas in stream:
+                builder.add(deltas)
+            self.metrics.latency.observe(time.perf_counter() - start)
+            return JSONResponse(builder.response().model_dump())
+        usage = req.stream_options is not None and req.stream_options.include_usage
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                for s in builder.chunks(first):
+                    yield s
+                async for deltas in stream:
+                    for s in builder.chunks(deltas):
+                        yield s
+                if usage:
+                    yield builder.usage_chunk()
+            except Exception as e:
+                yield sse_error(f"engine error: {cause(e)}")
+            finally:
+                await stream.aclose()
+                self.metrics.latency.observe(time.perf_counter() - start)
+            yield DONE
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def handle(self, endpoint: str, req: SamplingRequest) -> Response:
+        start = time.perf_counter()
+        status = 200
+        try:
+            self.check_model(req.model)
+            if isinstance(req, ChatCompletionRequest):
+                try:
+                    text = self.tokenizer.apply_chat_template([m.render() for m in req.messages], tokenize=False,
+                                                              add_generation_prompt=req.add_generation_prompt)
+                except Exception as e:
+                    raise APIError(f"messages: cannot apply the chat template: {e}", param="messages") from None
+                prompts = [self.tokenizer(text, add_special_tokens=False).input_ids]
+                gen_req = await self.prepare(req, prompts, req.max_completion_tokens or req.max_tokens, "messages")
+                rid = f"chatcmpl-{gen_req.request_id}"
+            else:
+                prompts = self.tokenize_prompts(req.prompt)
+                gen_req = await self.prepare(req, prompts, req.max_tokens, "prompt")
+                rid = f"cmpl-{gen_req.request_id}"
+            builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
+                                      len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode)
+            return await self.run(endpoint, req, gen_req, builder, start)
+        except APIError as e:
+            status = e.status
+            return error_response(e)
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    @app.post("/v1/completions")
+    async def completions(self, req: CompletionRequest) -> Response:
+        return await self.handle("completions", req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, req: ChatCompletionRequest) -> Response:
+        return await self.handle("chat", req)
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        info = await self.info()
+        return ModelList(data=[ModelCard(id=self.model_name, root=info["model"], max_model_len=info["max_model_len"])])
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.replica.check_health.remote(), timeout=10)
+        except Exception as e:
+            return error_response(APIError(f"unhealthy: {cause(e)}", status=503, type="service_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,238 @@
+"""End to end over real Ray Serve and loopback HTTP: one app for the module, plus `serve run serve_config.yaml`."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96,
+              max_model_len=512)
+PROMPT = "def fibonacci(n):"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ray() -> str:
+    tmp = tempfile.mkdtemp(prefix="ray-serve-", dir="/tmp")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
+             object_store_memory=200 * 2**20, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc is None or proc.poll() is None, "serve run exited early"
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+def test_serve_run_config(tmp_path: Path) -> None:
+    port = free_port()
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    address = start_ray()
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 120, proc)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "demo:tiny", "prompt": PROMPT, "max_tokens": 4,
+                                                      "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out[-3000:]
+        assert "shutting down" in out.lower()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/v1/models", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimpleNamespace]:
+    from deployments.app import AppArgs, build_app
+    start_ray()
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = AppArgs(engine=ENGINE, num_replicas=1, replica_num_cpus=1.0, router_num_cpus=0.5)
+        serve.run(build_app(args), name="default", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 120)
+        replica = serve.get_deployment_handle("LLMReplica", app_name="default")
+        yield SimpleNamespace(url=url, replica=replica, http=httpx.Client(base_url=url, timeout=60))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[object]:
+    from engine import LLM
+    llm = LLM(**ENGINE, model="demo:tiny")
+    yield llm
+    llm.shutdown() if hasattr(llm, "shutdown") else None
+
+
+def sse_events(resp: httpx.Response) -> list[dict]:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            events.append("DONE" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def test_models_health_metrics(server: SimpleNamespace) -> None:
+    models = server.http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "demo:tiny"
+    assert models["data"][0]["max_model_len"] == 512
+    assert server.http.get("/health").status_code == 200
+
+
+def test_greedy_matches_offline_engine(server: SimpleNamespace, offline: object) -> None:
+    from engine import SamplingParams
+    out = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    r = server.http.post("/v1/completions", json={"model": "demo:tiny", "prompt": PROMPT, "max_tokens": 24,
+                                                  "temperature": 0, "ignore_eos": True})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == out.outputs[0].text
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 24,
+                             "total_tokens": len(out.prompt_token_ids) + 24}
+    ids = server.http.post("/v1/completions", json={"prompt": out.prompt_token_ids, "max_tokens": 24,
+                                                    "temperature": 0, "ignore_eos": True}).json()
+    assert ids["choices"][0]["text"] == out.outputs[0].text
+
+
+def test_openai_client(server: SimpleNamespace) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["demo:tiny"]
+    kw = dict(model="demo:tiny", max_tokens=12, temperature=0)
+    full = client.completions.create(prompt=PROMPT, **kw)
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    chat = client.chat.completions.create(messages=messages, **kw)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    stream = list(client.chat.completions.create(messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert stream[-2].choices[0].finish_reason == chat.choices[0].finish_reason
+    lp = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, max_completion_tokens=3,
+                                        model="demo:tiny", temperature=0)
+    assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
+    assert len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_n_and_batch_and_httpx_stream(server: SimpleNamespace) -> None:
+    r = server.http.post("/v1/completions", json={"prompt": ["a = 1", "import os"], "n": 2, "max_tokens": 5,
+                                                  "seed": 7, "ignore_eos": True, "logprobs": 1})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 20
+    assert all(len(c["logprobs"]["tokens"]) == 5 for c in body["choices"])
+    with server.http.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True, "n": 2,
+            "ignore_eos": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "DONE"
+    finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+    assert finishes == ["length", "length"]
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1] * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+])
+def test_bad_requests(server: SimpleNamespace, path: str, body: dict, status: int, param: str) -> None:
+    r = server.http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+    assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_malformed_json_and_unknown_route(server: SimpleNamespace) -> None:
+    r = server.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert server.http.get("/v1/nothing").status_code == 404
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server: SimpleNamespace) -> None:
+    before = server.replica.stats.remote().result()
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "stream": True,
+                                                            "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            assert [next(lines) for _ in range(3)][0].startswith("data: ")
+            busy = server.replica.stats.remote().result()
+            assert busy["num_running"] + busy["num_waiting"] == 1
+            assert busy["kv_blocks_free"] < busy["kv_blocks_total"]
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        stats = server.replica.stats.remote().result()
+        if stats["num_aborted"] > before["num_aborted"] and stats["num_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["num_aborted"] == before["num_aborted"] + 1
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_after_traffic(server: SimpleNamespace) -> None:
+    assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    text = server.http.get("/metrics").text
+    assert 'conveyor_requests_total{endpoint="completions",status="200"}' in text
+    assert 'conveyor_requests_total{endpoint="completions",status="400"}' in text
+    assert "conveyor_kv_cache_utilization{replica=" in text and "conveyor_kv_blocks_free{replica=" in text
+    assert "conveyor_time_to_first_token_seconds_count" in text
