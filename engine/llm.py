@@ -19,6 +19,8 @@ class LLM:
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
