@@ -88,6 +88,7 @@ class AsyncEngine:
                 self._deliver(rid, e)
         elif command[0] == "abort":
             out = self.engine.abort_request(command[1])
+            self._stats = self.engine.stats()
             if out is not None:
                 self._deliver(command[1], out)
 
@@ -101,10 +102,10 @@ class AsyncEngine:
                         self._handle(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 self._stats = self.engine.stats()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
         except BaseException as e:
             log.exception("engine loop failed")
             self._error = e

@@ -1,0 +1,34 @@
+from transformers import AutoTokenizer
+
+from engine.demo import resolve_model
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+TEXT = "naïve café — 東京タワー 🚀🚀 Zürich ok"
+
+
+def stream(text: str, params: SamplingParams) -> tuple[IncrementalDetokenizer, list[str], str | None]:
+    tok = AutoTokenizer.from_pretrained(resolve_model("demo:tiny"))
+    ids = tok(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tok, params)
+    seen, stop = [], None
+    for i, t in enumerate(ids):
+        stop = detok.add(t, i + 1)
+        seen.append(detok.visible_text(False))
+        if stop:
+            break
+    return detok, seen, stop
+
+
+def test_multibyte_utf8_split_across_tokens() -> None:
+    detok, seen, _ = stream(TEXT, SamplingParams())
+    detok.flush()
+    assert detok.text == TEXT
+    assert all("\ufffd" not in s for s in seen), "partial UTF-8 sequences must not leak out"
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), "streamed text only grows"
+
+
+def test_stop_string_inside_multibyte_text_and_holdback() -> None:
+    detok, seen, stop = stream(TEXT, SamplingParams(stop=["タワ"]))
+    assert stop == "タワ" and detok.text == "naïve café — 東京"
+    assert all(not s.endswith("タ") for s in seen), "a possible stop prefix is held back while streaming"
