@@ -219,6 +219,7 @@ class GenerateRequest(BaseModel):
     n: int = 1
     sampling: dict[str, Any] = {}
     priority: int = 0
+    stream: bool = True
 
 
 class Delta(TypedDict):
@@ -227,3 +228,10 @@ class Delta(TypedDict):
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+
+
+class Chunk(TypedDict, total=False):
+    deltas: list[Delta]
+    first_s: float
+    replica: str
+    stats: dict[str, Any]

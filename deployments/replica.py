@@ -1,11 +1,12 @@
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 import ray
 import torch
 from ray import serve
 
-from deployments.protocol import Delta, GenerateRequest
+from deployments.protocol import Chunk, Delta, GenerateRequest
 from deployments.responses import merge_deltas
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -14,7 +15,9 @@ from engine import AsyncEngine, EngineConfig, SamplingParams
 class LLMReplica:
     """Owns one AsyncEngine; streams small deltas per choice, aborts on cancellation."""
 
-    def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None) -> None:
+    def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
+                 stream_interval_s: float = 0.0) -> None:
+        self.stream_interval_s = stream_interval_s
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(torch_threads or max(1, int(cpus)))
         self.engine = AsyncEngine(EngineConfig(**engine_args))
@@ -25,7 +28,8 @@ class LLMReplica:
 
     def info(self) -> dict[str, Any]:
         return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "vocab_size": self.engine.vocab_size, "replica": self.replica_id}
+                "vocab_size": self.engine.vocab_size, "replica": self.replica_id,
+                "torch_threads": torch.get_num_threads()}
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats().to_dict()
@@ -56,7 +60,7 @@ class LLMReplica:
         except Exception as e:
             queue.put_nowait(e)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[list[Delta] | dict[str, Any]]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         jobs = []
         for p, prompt in enumerate(req.prompts):
             for i in range(req.n):
@@ -70,18 +74,29 @@ class LLMReplica:
         tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue))
                  for idx, rid, prompt, sp in jobs]
         live = {idx: rid for idx, rid, _, _ in jobs}
+        start, last, pending = time.perf_counter(), 0.0, []
         try:
             while live:
-                batch = [await queue.get()]
+                new = [await queue.get()]
+                if req.stream and last and (wait := last + self.stream_interval_s - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
                 while not queue.empty():
-                    batch.append(queue.get_nowait())
-                for d in batch:
+                    new.append(queue.get_nowait())
+                for d in new:
                     if isinstance(d, BaseException):
                         raise d
                     if d["finish_reason"] is not None:
                         live.pop(d["index"], None)
-                yield merge_deltas(batch)
-            yield {"replica": self.replica_id, "stats": self.stats()}
+                pending += new
+                if req.stream or not live:
+                    chunk = Chunk(deltas=merge_deltas(pending))
+                    if not last:
+                        chunk["first_s"] = time.perf_counter() - start
+                    if not live:
+                        chunk.update(replica=self.replica_id, stats=self.stats())
+                    pending = []
+                    yield chunk
+                    last = time.perf_counter()
         finally:
             for t in tasks:
                 t.cancel()

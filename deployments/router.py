@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from deployments.metrics import RouterMetrics
 from deployments.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, ModelCard, ModelList, SamplingRequest,
+    APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
 from deployments.responses import DONE, ResponseBuilder, sse_error
 from engine import SamplingParams
@@ -116,30 +116,27 @@ class Router:
         except (ValueError, TypeError) as e:
             raise APIError(str(e), param=param_of(str(e))) from None
         return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
-                               priority=req.priority)
+                               priority=req.priority, stream=req.stream)
 
-    async def stream(self, gen_req: GenerateRequest) -> AsyncIterator[list[Delta]]:
+    async def stream(self, gen_req: GenerateRequest) -> AsyncIterator[Chunk]:
         gen = self.streaming.generate.remote(gen_req)
         done = False
         try:
-            async for item in gen:
-                if isinstance(item, dict):
-                    self.metrics.record_replica(item["replica"], item["stats"])
-                    continue
-                self.metrics.generation_tokens.inc(sum(len(d["token_ids"]) for d in item))
-                yield item
+            async for chunk in gen:
+                if "stats" in chunk:
+                    self.metrics.record_replica(chunk["replica"], chunk["stats"])
+                self.metrics.generation_tokens.inc(sum(len(d["token_ids"]) for d in chunk["deltas"]))
+                yield chunk
             done = True
         finally:
             if not done:
                 gen.cancel()
 
-    async def run(self, endpoint: str, req: SamplingRequest, gen_req: GenerateRequest, builder: ResponseBuilder,
+    async def run(self, req: SamplingRequest, gen_req: GenerateRequest, builder: ResponseBuilder,
                   start: float) -> Response:
         stream = self.stream(gen_req)
         try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = []
+            first = await anext(stream, Chunk(deltas=[]))
         except Exception as e:
             await stream.aclose()
             e = cause(e)
@@ -148,23 +145,24 @@ class Router:
             if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
                 raise APIError(f"overloaded: {e}", status=503, type="service_unavailable") from None
             raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
-        self.metrics.ttft.observe(time.perf_counter() - start)
+        ttft = time.perf_counter() - start
+        if req.stream:
+            self.metrics.ttft.observe(ttft)
         self.metrics.prompt_tokens.inc(builder.prompt_tokens)
+        timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}"}
         if not req.stream:
-            builder.add(first)
-            async for deltas in stream:
-                builder.add(deltas)
+            builder.add(first["deltas"])
+            async for chunk in stream:
+                builder.add(chunk["deltas"])
             self.metrics.latency.observe(time.perf_counter() - start)
-            return JSONResponse(builder.response().model_dump())
+            return JSONResponse(builder.response().model_dump(), headers=timing)
         usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def sse() -> AsyncIterator[str]:
             try:
-                for s in builder.chunks(first):
-                    yield s
-                async for deltas in stream:
-                    for s in builder.chunks(deltas):
-                        yield s
+                yield "".join(builder.chunks(first["deltas"]))
+                async for chunk in stream:
+                    yield "".join(builder.chunks(chunk["deltas"]))
                 if usage:
                     yield builder.usage_chunk()
             except Exception as e:
@@ -174,7 +172,7 @@ class Router:
                 self.metrics.latency.observe(time.perf_counter() - start)
             yield DONE
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(sse(), media_type="text/event-stream", headers=timing)
 
     async def handle(self, endpoint: str, req: SamplingRequest) -> Response:
         start = time.perf_counter()
@@ -196,7 +194,7 @@ class Router:
                 rid = f"cmpl-{gen_req.request_id}"
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
                                       len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode)
-            return await self.run(endpoint, req, gen_req, builder, start)
+            return await self.run(req, gen_req, builder, start)
         except APIError as e:
             status = e.status
             return error_response(e)
