@@ -91,7 +91,7 @@ async def http_throughput(url: str, prompts: list[list[int]], max_tokens: int, s
                           model: str) -> tuple[float, int, list[float]]:
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(http_request(client, p, max_tokens, stream, model) for p in prompts[:4]))
+        await asyncio.gather(*(http_request(client, p, max_tokens, stream, model) for p in prompts[:16]))
         start = time.perf_counter()
         res = await asyncio.gather(*(http_request(client, p, max_tokens, stream, model) for p in prompts))
         elapsed = time.perf_counter() - start
@@ -115,7 +115,7 @@ def start_app(args: argparse.Namespace) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     app_args = AppArgs(model=args.model, engine=engine_options(args), num_replicas=1, replica_num_cpus=1.0,
                        router_num_cpus=0.5, torch_threads=args.threads, port=args.port,
-                       stream_interval_s=args.stream_interval)
+                       stream_interval_s=args.stream_interval, stream_chunks_per_s=args.stream_chunks_per_s)
     serve.run(build_app(app_args), name="default", route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
 
@@ -137,7 +137,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the replica")
     p.add_argument("--ray-cpus", type=int, default=2)
-    p.add_argument("--stream-interval", type=float, default=0.05, help="replica stream coalescing interval (s)")
+    p.add_argument("--stream-interval", type=float, default=0.0, help="replica: min seconds between stream chunks")
+    p.add_argument("--stream-chunks-per-s", type=float, default=200.0, help="replica: stream chunk budget (0: off)")
     p.add_argument("--port", type=int, default=8123)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -163,7 +164,7 @@ def main() -> None:
     off_tps = off_tok / off_s
     print(f"workload: {args.num_prompts} prompts x {args.prompt_len[0]}-{args.prompt_len[1]} tokens -> "
           f"{args.max_tokens} tokens, greedy, ignore_eos; {args.threads} torch threads; model {args.model}; "
-          f"stream interval {args.stream_interval}s")
+          f"stream interval {args.stream_interval}s, {args.stream_chunks_per_s} chunks/s per replica")
     print(f"offline engine      : {off_tok} tokens in {off_s:.2f}s = {off_tps:.1f} tok/s")
     for name, t, n in (("whole", whole_s, whole_tok), ("stream", http_s, http_tok)):
         print(f"HTTP {name:<15}: {n} tokens in {t:.2f}s = {n / t:.1f} tok/s  ({100 * n / t / off_tps:.1f}% of offline, "

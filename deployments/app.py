@@ -27,7 +27,8 @@ class AppArgs(BaseModel):
     worker_num_cpus: float = Field(1.0, gt=0)
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
-    stream_interval_s: float = Field(0.05, ge=0)
+    stream_interval_s: float = Field(0.0, ge=0)
+    stream_chunks_per_s: float = Field(200.0, ge=0)
     serve_separate_loops: bool = False
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
@@ -84,7 +85,7 @@ class AppArgs(BaseModel):
 def build_app(args: AppArgs) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     replica = LLMReplica.options(**args.replica_options()).bind(args.engine_config(), args.torch_threads,
-                                                                   args.stream_interval_s)
+                                                                   args.stream_interval_s, args.stream_chunks_per_s)
     router = Router.options(num_replicas=args.router_replicas, ray_actor_options={
         "num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": args.serve_env()}})
     return router.bind(replica, args.model, args.served_model_name)

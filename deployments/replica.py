@@ -16,8 +16,8 @@ class LLMReplica:
     """Owns one AsyncEngine; streams small deltas per choice, aborts on cancellation."""
 
     def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
-                 stream_interval_s: float = 0.0) -> None:
-        self.stream_interval_s = stream_interval_s
+                 stream_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0) -> None:
+        self.stream_interval_s, self.stream_chunks_per_s, self.num_streams = stream_interval_s, stream_chunks_per_s, 0
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(torch_threads or max(1, int(cpus)))
         self.engine = AsyncEngine(EngineConfig(**engine_args))
@@ -60,6 +60,10 @@ class LLMReplica:
         except Exception as e:
             queue.put_nowait(e)
 
+    def interval(self) -> float:
+        rate = self.num_streams / self.stream_chunks_per_s if self.stream_chunks_per_s else 0.0
+        return max(self.stream_interval_s, rate)
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         jobs = []
         for p, prompt in enumerate(req.prompts):
@@ -75,10 +79,11 @@ class LLMReplica:
                  for idx, rid, prompt, sp in jobs]
         live = {idx: rid for idx, rid, _, _ in jobs}
         start, last, pending = time.perf_counter(), 0.0, []
+        self.num_streams += req.stream
         try:
             while live:
                 new = [await queue.get()]
-                if req.stream and last and (wait := last + self.stream_interval_s - time.perf_counter()) > 0:
+                if req.stream and last and (wait := last + self.interval() - time.perf_counter()) > 0:
                     await asyncio.sleep(wait)
                 while not queue.empty():
                     new.append(queue.get_nowait())
@@ -98,6 +103,7 @@ class LLMReplica:
                     yield chunk
                     last = time.perf_counter()
         finally:
+            self.num_streams -= req.stream
             for t in tasks:
                 t.cancel()
             for rid in live.values():
