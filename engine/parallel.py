@@ -1,6 +1,7 @@
 """Tensor-parallel group state. With no process group initialised everything is rank 0 of 1."""
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
 
 def tp_rank() -> int:
@@ -30,3 +31,19 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
     return numerator // denominator
+
+
+def check_shardable(hf_config: PretrainedConfig, size: int) -> None:
+    """Refuse at start-up a model that cannot be split over `size` ranks, naming the numbers."""
+    if size == 1:
+        return
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    divide(heads, size, "num_attention_heads")
+    if kv >= size:
+        divide(kv, size, "num_key_value_heads")
+    elif size % kv:
+        raise ValueError(f"tensor_parallel_size ({size}) must be a multiple of num_key_value_heads ({kv}) "
+                         f"when it exceeds it")
+    divide(hf_config.intermediate_size, size, "intermediate_size")
+    divide(hf_config.vocab_size, size, "vocab_size")
