@@ -89,11 +89,14 @@ class LLMEngine:
         outputs = []
         for seq in changed:
             rid = seq.request_id
-            if seq.params.logprobs is not None:
+            detok = self.detokenizers[rid]
+            new_tokens = range(len(detok.token_ids), seq.num_output_tokens)
+            if new_tokens and seq.params.logprobs is not None:
                 self.logprobs[rid].append(logprobs[rid])
-            stop = self.detokenizers[rid].add(seq.token_ids[-1], seq.num_output_tokens)
-            if stop is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "stop", stop)
+            for i in new_tokens:
+                stop = detok.add(seq.output_token_ids[i], i + 1)
+                if stop is not None and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop", stop)
             outputs.append(self._output(seq))
         return outputs
 

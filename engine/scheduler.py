@@ -22,6 +22,7 @@ class Scheduler:
         self.static_batch: set[str] = set()
         self.watermark = Watermark(config.watermark, config.adaptive_watermark, kv.num_blocks)
         self.finished_for_runner: list[str] = []
+        self.released: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -40,7 +41,7 @@ class Scheduler:
 
     @staticmethod
     def _victim_key(seq: Sequence) -> tuple:
-        return seq.priority, -seq.num_computed_tokens, seq.arrival_time
+        return seq.held_finish is not None, seq.priority, -seq.num_computed_tokens, seq.arrival_time
 
     def _chunk(self, seq: Sequence, budget: int, prefills: int) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -56,17 +57,32 @@ class Scheduler:
         self.num_steps += 1
         out = SchedulerOutput(finished_req_ids=self.finished_for_runner)
         self.finished_for_runner = []
-        budget, prefills = self.config.max_num_batched_tokens, 0
         chunks: dict[str, ScheduledChunk] = {}
-        preempted = False
         self.running.sort(key=lambda s: (s.priority, s.arrival_time))
-        for seq in list(self.running):
+        live = [s for s in self.running if s.held_finish is None]
+        held = [s for s in self.running if s.held_finish is not None]
+        budget, prefills, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
+        self.watermark.observe(preempted)
+        if not preempted:
+            budget, prefills = self._admit(out, chunks, budget, prefills)
+        self._schedule_running(held, out, chunks, budget, prefills, may_preempt=False)
+        for c in chunks.values():
+            seq = self.requests[c.req_id]
+            seq.num_computed_tokens += len(c.token_ids)
+            seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
+        out.chunks = list(chunks.values())
+        return out
+
+    def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk],
+                          budget: int, prefills: int, may_preempt: bool = True) -> tuple[int, int, bool]:
+        preempted = False
+        for seq in seqs:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             n = self._chunk(seq, budget, prefills)
-            if n == 0:
+            if n == 0 or (seq.held_finish is not None and seq.num_tokens >= self.config.max_model_len):
                 continue
-            while (ids := self.kv.allocate(seq, n)) is None:
+            while (ids := self.kv.allocate(seq, n)) is None and may_preempt:
                 victim = max(self.running, key=self._victim_key)
                 if victim.request_id in chunks:
                     budget += len(chunks.pop(victim.request_id).token_ids)
@@ -79,15 +95,7 @@ class Scheduler:
             chunks[seq.request_id] = self._make_chunk(seq, n, ids, reset=False)
             budget -= n
             prefills += n > 1
-        self.watermark.observe(preempted)
-        if not preempted:
-            budget, prefills = self._admit(out, chunks, budget, prefills)
-        for c in chunks.values():
-            seq = self.requests[c.req_id]
-            seq.num_computed_tokens += len(c.token_ids)
-            seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
-        out.chunks = list(chunks.values())
-        return out
+        return budget, prefills, preempted
 
     def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
                prefills: int) -> tuple[int, int]:
@@ -100,6 +108,8 @@ class Scheduler:
             if pairs is None or (ids := self.kv.allocate(seq, n)) is None:
                 if pairs is not None:
                     self.kv.swap_out(seq)
+                if self._release_one_held():
+                    continue
                 break
             out.swap_in += pairs
             self.swapped.pop(0)
@@ -120,6 +130,8 @@ class Scheduler:
                 break
             ids = self.kv.allocate(seq, n, prefix, self._reserve())
             if ids is None:
+                if self._release_one_held():
+                    continue
                 break
             self.kv.record_query(seq.num_tokens, cached)
             seq.num_computed_tokens = seq.num_cached_tokens = cached
@@ -152,6 +164,8 @@ class Scheduler:
                               sample=start + n == seq.num_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if seq.held_finish is not None:
+            return self._release(seq)
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -174,10 +188,14 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.append_token(token)
+            if seq.held_finish is not None:
+                continue
             seq.first_token_time = seq.first_token_time or now
             self._check_stop(seq, token)
             changed.append(seq)
-        return changed
+        self._release_static_batch()
+        released, self.released = self.released, []
+        return list(dict.fromkeys(changed + released))
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -189,8 +207,15 @@ class Scheduler:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self.finish(seq, "length")
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, hold: bool = True) -> None:
         if seq.is_finished:
+            return
+        if seq.held_finish is not None:
+            reason, stop_reason, num_tokens = seq.held_finish
+            del seq.token_ids[num_tokens:]
+            seq.held_finish = None
+        elif hold and self._holds(seq, reason):
+            seq.held_finish = (reason, stop_reason, seq.num_tokens)
             return
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
@@ -202,3 +227,29 @@ class Scheduler:
         self.static_batch.discard(seq.request_id)
         if seq.seen_by_runner:
             self.finished_for_runner.append(seq.request_id)
+
+    def _holds(self, seq: Sequence, reason: str) -> bool:
+        """Static (request-level) batching as in the literature's baseline: a finished member keeps
+        its slot and keeps decoding (output discarded) until the whole batch is done."""
+        if self.config.scheduling_policy != "static" or reason == "abort":
+            return False
+        return any(s is not seq and s.held_finish is None for s in self._batch_members())
+
+    def _batch_members(self) -> list[Sequence]:
+        return [self.requests[r] for r in self.static_batch if r in self.requests]
+
+    def _release_static_batch(self) -> None:
+        members = self._batch_members()
+        if members and all(s.held_finish is not None for s in members):
+            for seq in members:
+                self._release(seq)
+
+    def _release_one_held(self) -> bool:
+        held = [s for s in self.running if s.held_finish is not None]
+        if held:
+            self._release(max(held, key=self._victim_key))
+        return bool(held)
+
+    def _release(self, seq: Sequence) -> None:
+        self.finish(seq, "", hold=False)
+        self.released.append(seq)

@@ -131,13 +131,19 @@ def test_watermark_holds_back_admission_only_while_others_run() -> None:
     assert _step(sched) == ["small"], "nothing runs: the watermark no longer applies"
 
 
-def test_static_policy_admits_next_batch_only_after_previous_finishes() -> None:
+def test_static_policy_runs_batches_in_lockstep() -> None:
+    """Request-level batching: a new batch starts only when the previous one is done, and a member
+    that finishes early keeps its slot (decoding padding) until the longest member finishes."""
     cfg = EngineConfig(model="demo:tiny", scheduling_policy="static", max_num_seqs=2)
     sched = Scheduler(cfg, BlockManager(64, 16, False), {EOS})
-    sched.add(Sequence("a", [10] * 5, SamplingParams(max_tokens=1)))
-    sched.add(Sequence("b", [10] * 5, SamplingParams(max_tokens=6)))
-    sched.add(Sequence("c", [10] * 5, SamplingParams(max_tokens=1)))
+    a = Sequence("a", [10] * 5, SamplingParams(max_tokens=1))
+    b = Sequence("b", [10] * 5, SamplingParams(max_tokens=6))
+    c = Sequence("c", [10] * 5, SamplingParams(max_tokens=1))
+    for s in (a, b, c):
+        sched.add(s)
     assert sorted(_step(sched)) == ["a", "b"]
     for _ in range(5):
-        assert _step(sched) == ["b"]
+        assert sorted(_step(sched)) == ["a", "b"]
+    assert a.is_finished and b.is_finished and a.output_token_ids == [20] and len(b.output_token_ids) == 6
     assert _step(sched) == ["c"]
+    assert sched.kv.num_free_blocks == 64

@@ -1,0 +1,41 @@
+"""`conveyor` command line: make-model, generate."""
+import argparse
+import sys
+
+from engine.demo import add_make_model_args, run_make_model
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    for out in llm.generate(args.prompt, params, use_tqdm=False):
+        print(out.outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-model", help="write a deterministic random-weight demo checkpoint")
+    add_make_model_args(make)
+    make.set_defaults(func=run_make_model)
+    gen = sub.add_parser("generate", help="complete prompts offline")
+    gen.add_argument("--model", default="demo:tiny")
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1)
+    gen.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
