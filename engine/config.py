@@ -4,6 +4,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.models.llama import ARCHITECTURES
+from engine.parallel import check_shardable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +83,10 @@ class EngineConfig:
         if self.dtype == "auto":
             dt = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
             self.dtype = dt.removeprefix("torch.") if dt.removeprefix("torch.") in DTYPES else "float32"
+        try:
+            check_shardable(config, self.tensor_parallel_size)
+        except ValueError as e:
+            _fail("tensor_parallel_size", f"cannot shard {self.model}: {e}")
         limit = config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
