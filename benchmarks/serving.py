@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]  # benchmarks/kernels.py
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/kernels.py shadows kernels/
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
@@ -50,8 +51,8 @@ async def engine_ttfts(args: argparse.Namespace, prompts: list[list[int]]) -> li
     try:
         for i, p in enumerate(prompts):
             start = time.perf_counter()
-            async for _ in engine.generate(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0, max_tokens=1),
-                                           request_id=f"ttft-{i}"):
+            sp = SamplingParams(temperature=0, max_tokens=1)
+            async for _ in engine.generate(prompt_token_ids=p, sampling_params=sp, request_id=f"ttft-{i}"):
                 out.append(time.perf_counter() - start)
                 break
     finally:

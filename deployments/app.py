@@ -67,13 +67,13 @@ class AppArgs(BaseModel):
     def replica_options(self) -> dict[str, Any]:
         gpu = self.use_gpu()
         tp = int(self.engine.get("tensor_parallel_size", 1))
-        head = {"CPU": self.replica_num_cpus, **({"GPU": 1.0} if gpu else {})}
+        head = {"CPU": self.replica_num_cpus, **({"GPU": 1.0} if gpu and tp == 1 else {})}
         worker = {"CPU": self.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}
         threads = str(self.torch_threads or max(1, int(self.replica_num_cpus)))
         opts: dict[str, Any] = dict(
             ray_actor_options={"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0),
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **self.serve_env()}}},
-            placement_group_bundles=[head] + [worker] * (tp - 1), placement_group_strategy="STRICT_PACK",
+            placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []), placement_group_strategy="STRICT_PACK",
             max_ongoing_requests=self.max_ongoing_requests)
         if self.autoscaling is not None:
             opts.update(num_replicas="auto", autoscaling_config=self.autoscaling)

@@ -86,7 +86,7 @@ def server() -> Iterator[SimpleNamespace]:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = AppArgs(engine=ENGINE, num_replicas=1, replica_num_cpus=1.0, router_num_cpus=0.5)
+        args = AppArgs(engine=ENGINE, num_replicas=1, replica_num_cpus=0.5, router_num_cpus=0.5, torch_threads=1)
         serve.run(build_app(args), name="default", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 120)
@@ -236,3 +236,19 @@ def test_metrics_after_traffic(server: SimpleNamespace) -> None:
     assert 'conveyor_requests_total{endpoint="completions",status="400"}' in text
     assert "conveyor_kv_cache_utilization{replica=" in text and "conveyor_kv_blocks_free{replica=" in text
     assert "conveyor_time_to_first_token_seconds_count" in text
+
+
+def test_tensor_parallel_replica(server: SimpleNamespace, offline: object) -> None:
+    from deployments.app import AppArgs, build_app
+    from engine import SamplingParams
+    args = AppArgs(engine={**ENGINE, "tensor_parallel_size": 2}, replica_num_cpus=0.1, worker_num_cpus=0.4,
+                   router_num_cpus=0.1)
+    assert ray.available_resources().get("CPU", 0) >= 1.0 - 1e-6, "no room for the TP app's placement group"
+    serve.run(build_app(args), name="tp", route_prefix="/tp")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        r = server.http.post("/tp/v1/completions", json=body)
+        want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
+    finally:
+        serve.delete("tp")

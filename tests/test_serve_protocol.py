@@ -167,9 +167,12 @@ def test_app_args_fail_naming_the_field() -> None:
 def test_replica_placement() -> None:
     app = pytest.importorskip("deployments.app")
     opts = app.AppArgs(engine={"tensor_parallel_size": 2, "device": "cpu"}, replica_num_cpus=0.5).replica_options()
-    assert opts["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0}]
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
     assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["ray_actor_options"]["num_cpus"] == 0.5
     assert opts["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     gpu = app.AppArgs(engine={"device": "cuda"}, autoscaling={"min_replicas": 1, "max_replicas": 3}).replica_options()
     assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] and gpu["num_replicas"] == "auto"
     assert gpu["ray_actor_options"]["num_gpus"] == 1.0 and gpu["max_ongoing_requests"] >= 256
+    tp = app.AppArgs(engine={"tensor_parallel_size": 2, "device": "cuda"}).replica_options()
+    assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert tp["ray_actor_options"]["num_gpus"] == 0
