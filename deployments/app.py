@@ -15,7 +15,10 @@ from engine import EngineConfig
 
 
 class AppArgs(BaseModel):
-    """Arguments of `build_app`; unknown or bad fields fail the deploy with a message naming them."""
+    """Arguments of `build_app`; unknown or bad fields fail the deploy with a message naming them.
+
+    host, port and route_prefix apply through `deploy()`; under `serve run`/`serve deploy` the config file's
+    http_options and route_prefix decide."""
 
     model_config = ConfigDict(extra="forbid")
     model: str = "demo:tiny"
@@ -29,7 +32,6 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     stream_interval_s: float = Field(0.0, ge=0)
     stream_chunks_per_s: float = Field(200.0, ge=0)
-    serve_separate_loops: bool = False
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
     host: str = "127.0.0.1"
@@ -60,10 +62,6 @@ class AppArgs(BaseModel):
             return device == "cuda"
         return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
-    def serve_env(self) -> dict[str, str]:
-        flag = "1" if self.serve_separate_loops else "0"
-        return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": flag, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": flag}
-
     def replica_options(self) -> dict[str, Any]:
         gpu = self.use_gpu()
         tp = int(self.engine.get("tensor_parallel_size", 1))
@@ -72,7 +70,7 @@ class AppArgs(BaseModel):
         threads = str(self.torch_threads or max(1, int(self.replica_num_cpus)))
         opts: dict[str, Any] = dict(
             ray_actor_options={"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0),
-                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **self.serve_env()}}},
+                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
             placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []), placement_group_strategy="STRICT_PACK",
             max_ongoing_requests=self.max_ongoing_requests)
         if self.autoscaling is not None:
@@ -86,8 +84,7 @@ def build_app(args: AppArgs) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     replica = LLMReplica.options(**args.replica_options()).bind(args.engine_config(), args.torch_threads,
                                                                    args.stream_interval_s, args.stream_chunks_per_s)
-    router = Router.options(num_replicas=args.router_replicas, ray_actor_options={
-        "num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": args.serve_env()}})
+    router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
     return router.bind(replica, args.model, args.served_model_name)
 
 

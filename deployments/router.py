@@ -57,7 +57,7 @@ def cause(e: BaseException) -> BaseException:
 
 def param_of(message: str) -> str | None:
     m = re.search(r"(?:SamplingParams|EngineConfig)\.(\w+)", message)
-    return m.group(1) if m else None
+    return m.group(1) if m else next((f for f in ("stop_token_ids", "max_tokens", "prompt") if f in message), None)
 
 
 @serve.deployment(name="Router", max_ongoing_requests=4096)
@@ -201,6 +201,9 @@ class Router:
         except asyncio.CancelledError:
             status = 499
             raise
+        except Exception as e:
+            status = 500
+            return error_response(APIError(f"internal error: {cause(e)}", status=500, type="internal_error"))
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 

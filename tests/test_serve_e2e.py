@@ -81,13 +81,12 @@ def test_serve_run_config(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[SimpleNamespace]:
-    from deployments.app import AppArgs, build_app
+    from deployments.app import deploy
     start_ray()
     port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = AppArgs(engine=ENGINE, num_replicas=1, replica_num_cpus=0.5, router_num_cpus=0.5, torch_threads=1)
-        serve.run(build_app(args), name="default", route_prefix="/")
+        deploy({"engine": ENGINE, "num_replicas": 1, "replica_num_cpus": 0.5, "router_num_cpus": 0.5,
+                "torch_threads": 1, "port": port})
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 120)
         replica = serve.get_deployment_handle("LLMReplica", app_name="default")

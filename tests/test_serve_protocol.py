@@ -150,6 +150,8 @@ def test_router_error_handlers() -> None:
     assert resp.status_code == 400 and body["error"]["param"] == "temperature"
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert router.param_of("SamplingParams.min_tokens must be in [0, max_tokens=3]") == "min_tokens"
+    assert router.param_of("prompt + max_tokens (9 + 9) needs 2 KV blocks but the cache holds 1") == "max_tokens"
+    assert router.param_of("prompt_token_ids: 9 is outside the vocabulary [0, 8)") == "prompt"
 
 
 def test_app_args_fail_naming_the_field() -> None:
