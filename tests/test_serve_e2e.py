@@ -66,6 +66,11 @@ def test_serve_run_config(tmp_path: Path) -> None:
         r = httpx.post(f"{url}/v1/completions", json={"model": "demo:tiny", "prompt": PROMPT, "max_tokens": 4,
                                                       "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        chunks = list(client.chat.completions.create(model="demo:tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out[-3000:]
