@@ -122,6 +122,11 @@ def test_models_health_metrics(server: SimpleNamespace) -> None:
     assert models["object"] == "list" and models["data"][0]["id"] == "demo:tiny"
     assert models["data"][0]["max_model_len"] == 512
     assert server.http.get("/health").status_code == 200
+    routing = server.replica.record_routing_stats.remote().result()
+    assert {"kv_cache_utilization", "kv_blocks_free", "num_waiting", "num_running"} <= set(routing)
+    scaling = server.replica.record_autoscaling_stats.remote().result()
+    assert scaling["kv_blocks_free"] == routing["kv_blocks_total"] and all(type(v) is float for v in scaling.values())
+    assert server.replica.info.remote().result()["torch_threads"] == 1
 
 
 def test_greedy_matches_offline_engine(server: SimpleNamespace, offline: object) -> None:
