@@ -69,6 +69,8 @@ class SamplingRequest(BaseModel):
         for k in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, k) is not None:
                 sp[k] = getattr(self, k)
+        if sp.get("top_k") == 0:
+            sp["top_k"] = -1
         return sp
 
 

@@ -27,6 +27,7 @@ def test_completion_request_defaults_and_sampling() -> None:
     assert CompletionRequest(prompt=[1, 2, 3]).prompt == [1, 2, 3]
     assert CompletionRequest(prompt=[[1, 2], [3]]).prompt == [[1, 2], [3]]
     assert CompletionRequest(prompt=["a", "b"], logprobs=2).sampling(4)["logprobs"] == 2
+    assert CompletionRequest(prompt="x", top_k=0).sampling(4)["top_k"] == -1
 
 
 @pytest.mark.parametrize("body,field", [
