@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -150,8 +151,9 @@ def start_app(args: argparse.Namespace) -> str:
     from ray import serve
 
     from deployments.app import AppArgs, build_app
+    args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp")
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"), _node_ip_address="127.0.0.1",
+             _temp_dir=args.temp_dir, _node_ip_address="127.0.0.1",
              object_store_memory=256 * 2**20)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     app_args = AppArgs(model=args.model, engine=engine_options(args), num_replicas=1, replica_num_cpus=1.0,
@@ -200,6 +202,7 @@ def main() -> None:
         from ray import serve
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(args.temp_dir, ignore_errors=True)
     again_s, again_tok = offline_throughput(args, prompts)
     print(f"offline runs: {off_tok / off_s:.1f} and {again_tok / again_s:.1f} tok/s; the faster is the baseline")
     off_s, off_tok = min((off_s, off_tok), (again_s, again_tok))

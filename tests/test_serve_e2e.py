@@ -1,6 +1,6 @@
 """End to end over real Ray Serve and loopback HTTP: one app for the module, plus `serve run serve_config.yaml`."""
 import json
-import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +25,15 @@ ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block
 PROMPT = "def fibonacci(n):"
 
 
+TEMP_DIRS: list[str] = []
+
+
+def stop_ray() -> None:
+    ray.shutdown()
+    while TEMP_DIRS:
+        shutil.rmtree(TEMP_DIRS.pop(), ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,6 +42,7 @@ def free_port() -> int:
 
 def start_ray() -> str:
     tmp = tempfile.mkdtemp(prefix="ray-serve-", dir="/tmp")
+    TEMP_DIRS.append(tmp)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
              object_store_memory=200 * 2**20, log_to_driver=False)
     return ray.get_runtime_context().gcs_address
@@ -81,7 +91,7 @@ def test_serve_run_config(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        ray.shutdown()
+        stop_ray()
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +108,7 @@ def server() -> Iterator[SimpleNamespace]:
         yield SimpleNamespace(url=url, replica=replica, http=httpx.Client(base_url=url, timeout=60))
     finally:
         serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
 @pytest.fixture(scope="module")
