@@ -15,12 +15,14 @@ import torch.nn.functional as F
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value rows [T, kv_heads, d] to flat slots; slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
