@@ -1,20 +1,19 @@
 """Cluster-wide admission: per-replica KV watermarks with hysteresis over pushed replica stats.
 
-One `AdmissionController` lives in the `AdmissionActor` (the cluster's source of truth); replicas
-push stats to it (`report`) every <= 100 ms. Each router keeps its own controller, refreshed in
-the background from `actor.snapshot()` through `restore(snapshot, now)`, and asks `decide(...)`
-locally per request: no remote call on the request path. Staleness is measured by receipt time on
-the actor and carried as an age in snapshots, so clocks of different hosts never get compared.
+One `AdmissionActor` per app is the cluster's source of truth: a Serve deployment-scoped actor of the
+LLM replica deployment, so it lives and dies with the app. Replicas push stats to it (`report`) every
+<= 100 ms and `forget` themselves on shutdown; silent replicas go stale (saturated), then are dropped.
+Each router keeps its own controller, refreshed in the background from `actor.snapshot()` through
+`restore(snapshot, now)`, and asks `decide(...)` locally per request: no remote call on the request
+path. Admitted prompts are `reserve`d on the router until stats received `settle_s` later can reflect
+them. Staleness is measured by receipt time on the actor and carried as an age in snapshots, so clocks
+of different hosts never get compared.
 """
 from dataclasses import asdict, dataclass, field, replace
 import time
 from typing import Any, Callable, Iterable
 
 from cluster.stats import BLOCK_SIZE, ReplicaStats
-
-ADMISSION_ACTOR_NAME = "conveyor-admission"
-ADMISSION_NAMESPACE = "conveyor"
-
 
 @dataclass(frozen=True)
 class Watermarks:
@@ -33,12 +32,14 @@ class AdmissionConfig:
     staleness_s: float = 0.5
     drop_after_s: float = 10.0
     retry_after_s: float = 1.0
+    settle_s: float = 0.3
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
 
     def __post_init__(self) -> None:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
-        assert 0.0 < self.staleness_s <= self.drop_after_s
+        assert 0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"
+        assert self.settle_s >= 0.0 and self.retry_after_s >= 0.0 and self.block_size >= 1
 
     @property
     def watermarks(self) -> Watermarks:
@@ -64,7 +65,7 @@ class AdmissionController:
     def __init__(self, config: AdmissionConfig | None = None):
         self.config = config or AdmissionConfig()
         self.replicas: dict[str, ReplicaEntry] = {}
-        self._reserved: dict[str, int] = {}
+        self._reserved: dict[str, list[tuple[float, int]]] = {}
 
     def update(self, stats: ReplicaStats, now: float) -> None:
         prev = self.replicas.get(stats.replica_id)
@@ -75,7 +76,17 @@ class AdmissionController:
         if self.config.saturate_on_preemption and prev and stats.num_preemptions > prev.stats.num_preemptions:
             saturated = True
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated)
-        self._reserved.pop(stats.replica_id, None)
+        self._settle(stats.replica_id)
+
+    def _settle(self, replica_id: str) -> None:
+        """Drop reservations that stats received at least `settle_s` after them already include."""
+        entry = self.replicas.get(replica_id)
+        left = [(t, n) for t, n in self._reserved.get(replica_id, ())
+                if entry is not None and entry.received_at < t + self.config.settle_s]
+        if left:
+            self._reserved[replica_id] = left
+        else:
+            self._reserved.pop(replica_id, None)
 
     def forget(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
@@ -100,18 +111,22 @@ class AdmissionController:
 
     def room(self, replica_id: str) -> int:
         entry = self.replicas[replica_id]
-        return entry.stats.room_blocks(self.config.block_size) - self._reserved.get(replica_id, 0)
+        reserved = sum(n for _, n in self._reserved.get(replica_id, ()))
+        return entry.stats.room_blocks(self.config.block_size) - reserved
 
-    def reserve(self, replica_id: str, num_blocks: int) -> None:
-        """Charge an admitted prompt to a replica until its next stats arrive (router-side)."""
+    def reserve(self, replica_id: str, num_blocks: int, now: float) -> None:
+        """Charge an admitted prompt to a replica until stats that can include it arrive (router-side)."""
         if replica_id in self.replicas:
-            self._reserved[replica_id] = self._reserved.get(replica_id, 0) + num_blocks
+            self._reserved.setdefault(replica_id, []).append((now, num_blocks))
 
-    def decide(self, num_prompt_blocks: int, now: float) -> Decision:
+    def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None) -> Decision:
+        """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
+        sequence (defaults to the whole), which alone decides `prompt_too_large`."""
         retry = self.config.retry_after_s
         if not self.replicas:
             return Decision(False, [], retry, "no_replicas")
-        if num_prompt_blocks > max(e.stats.kv_blocks_total for e in self.replicas.values()):
+        capacity = max(e.stats.kv_blocks_total for e in self.replicas.values())
+        if (num_prompt_blocks if largest_blocks is None else largest_blocks) > capacity:
             return Decision(False, [], 0.0, "prompt_too_large")
         fresh = [rid for rid, e in self.replicas.items() if self.fresh(e, now)]
         if not fresh:
@@ -119,7 +134,9 @@ class AdmissionController:
         open_ = [rid for rid in fresh if not self.replicas[rid].saturated]
         if not open_:
             return Decision(False, [], retry, "saturated")
-        fits = sorted((rid for rid in open_ if self.room(rid) >= num_prompt_blocks), key=self.room, reverse=True)
+        fits = sorted((rid for rid in open_
+                       if self.room(rid) >= min(num_prompt_blocks, self.replicas[rid].stats.kv_blocks_total)),
+                      key=self.room, reverse=True)
         if not fits:
             return Decision(False, [], retry, "no_room")
         return Decision(True, fits, 0.0, "ok")
@@ -132,6 +149,8 @@ class AdmissionController:
                          "room_blocks": self.room(rid), "pressure": e.stats.pressure(self.config.block_size)})
         total = sum(r["kv_blocks_total"] for r in rows)
         free = sum(r["kv_blocks_free"] for r in rows)
+        queries = sum(r["prefix_cache_queries"] for r in rows)
+        hits = sum(r["prefix_cache_hits"] for r in rows)
         return {
             "config": asdict(self.config),
             "replicas": rows,
@@ -146,18 +165,24 @@ class AdmissionController:
                 "num_running": sum(r["num_running"] for r in rows),
                 "num_waiting": sum(r["num_waiting"] for r in rows),
                 "num_preemptions": sum(r["num_preemptions"] for r in rows),
+                "prefix_cache_queries": queries,
+                "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             },
         }
 
     def restore(self, snapshot: dict[str, Any], now: float) -> None:
-        """Replace state with an actor snapshot; ages are re-based onto this process's clock."""
+        """Replace config and state with an actor snapshot; ages are re-based onto this process's clock.
+        Own reservations the snapshot cannot include yet are kept."""
+        self.config = AdmissionConfig(**snapshot["config"])
         self.replicas = {r["replica_id"]: ReplicaEntry(ReplicaStats.from_dict(r), now - r["age_s"], r["saturated"])
                          for r in snapshot["replicas"]}
-        self._reserved = {}
+        for rid in list(self._reserved):
+            self._settle(rid)
 
     @classmethod
     def from_snapshot(cls, snapshot: dict[str, Any], now: float) -> "AdmissionController":
-        controller = cls(AdmissionConfig(**snapshot["config"]))
+        controller = cls()
         controller.restore(snapshot, now)
         return controller
 
@@ -180,7 +205,7 @@ def prometheus_text(snapshot: dict[str, Any], prefix: str = "conveyor") -> str:
 
 
 class AdmissionActor:
-    """Ray actor body (wrap with `ray.remote`, or use `admission_actor()`); plain class for tests."""
+    """Ray actor body (`ray.remote(AdmissionActor)`, deployed as a Serve deployment-scoped actor)."""
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.time):
         self._clock = clock
@@ -202,14 +227,3 @@ class AdmissionActor:
     def configure(self, config: dict[str, Any]) -> None:
         self.controller.config = replace(self.controller.config, **config)
 
-
-def admission_actor(app_name: str = "default", config: dict[str, Any] | None = None, detached: bool = True):
-    """Get or create the app's admission actor by name (safe to call from every process, any order)."""
-    import ray
-
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(AdmissionActor)
-    options: dict[str, Any] = {"name": f"{ADMISSION_ACTOR_NAME}:{app_name}", "namespace": ADMISSION_NAMESPACE,
-                               "get_if_exists": True}
-    if detached:
-        options["lifetime"] = "detached"
-    return cls.options(**options).remote(config)

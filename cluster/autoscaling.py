@@ -13,11 +13,12 @@ policy_kwargs are `KVScalingConfig` fields except min/max (those come from the a
 from dataclasses import dataclass, replace
 import math
 import time
-from typing import Any, Sequence
-
-from engine.stats import EngineStats
+from typing import TYPE_CHECKING, Any, Sequence
 
 from cluster.stats import ReplicaStats
+
+if TYPE_CHECKING:
+    from engine.stats import EngineStats
 
 UTILIZATION_METRIC = "kv_cache_utilization"
 WAITING_METRIC = "num_waiting"
@@ -38,7 +39,7 @@ class KVScalingConfig:
         assert 0 <= self.min_replicas <= self.max_replicas
 
 
-def autoscaling_metrics(stats: EngineStats | ReplicaStats) -> dict[str, float]:
+def autoscaling_metrics(stats: "EngineStats | ReplicaStats") -> dict[str, float]:
     """What a replica's `record_autoscaling_stats` returns."""
     return {UTILIZATION_METRIC: float(stats.kv_cache_utilization), WAITING_METRIC: float(stats.num_waiting)}
 

@@ -128,12 +128,12 @@ class KVAwareRequestRouter(RequestRouter):
 
     def candidates(self, replicas: Sequence[RunningReplica]) -> list[Candidate]:
         out = []
-        cache = getattr(self, "_replica_queue_len_cache", None)
+        cache = self.replica_queue_len_cache
         for r in replicas:
             rid = r.replica_id.unique_id
             raw = r.routing_stats or {}
             stats = ReplicaStats.from_dict({**raw, "replica_id": rid}) if raw.get("kv_blocks_total") else None
-            ongoing = cache.get(r.replica_id) if cache is not None else None
+            ongoing = cache.get(r.replica_id)
             out.append(Candidate(rid, stats, ongoing or 0))
         return out
 

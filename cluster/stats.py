@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, fields
 import hashlib
 import math
 import struct
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from engine.stats import EngineStats
+if TYPE_CHECKING:  # keeps engine (torch) out of the Serve controller, which imports the autoscaling policy
+    from engine.stats import EngineStats
 
 BLOCK_SIZE = 16
 HASH_BYTES = 16
@@ -24,6 +25,8 @@ class ReplicaStats:
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     timestamp: float = 0.0
 
     @classmethod
@@ -34,7 +37,7 @@ class ReplicaStats:
         return cls(**kw)
 
     @classmethod
-    def from_engine(cls, replica_id: str, stats: EngineStats) -> "ReplicaStats":
+    def from_engine(cls, replica_id: str, stats: "EngineStats") -> "ReplicaStats":
         return cls.from_dict({**stats.to_dict(), "replica_id": replica_id})
 
     def to_dict(self) -> dict[str, Any]:

@@ -130,10 +130,36 @@ def test_admission_room_order_and_refusals():
     assert c.decide(80, now=0.0).reason == "no_room"
     d = c.decide(101, now=0.0)
     assert (d.admit, d.reason, d.retry_after_s) == (False, "prompt_too_large", 0.0)
-    c.reserve("b", 40)
+    c.reserve("b", 40, now=0.0)
     assert c.decide(50, now=0.0).reason == "no_room"
-    c.update(rs("b", used=30, ts=1), now=0.1)  # fresh stats replace the reservation
-    assert c.decide(50, now=0.1).replicas == ["b"]
+    c.update(rs("b", used=30, ts=1), now=0.1)  # too soon after the reservation to include it
+    assert c.decide(50, now=0.1).reason == "no_room"
+    c.update(rs("b", used=30, ts=2), now=0.3)  # settle_s later: these stats include it
+    assert c.decide(50, now=0.3).replicas == ["b"]
+
+
+def test_admission_batch_blocks_and_largest_sequence():
+    c = AdmissionController()
+    c.update(rs("a", used=30), now=0.0)
+    c.update(rs("b"), now=0.0)
+    assert c.decide(150, now=0.0, largest_blocks=20).replicas == ["b"]  # n x prompt > a replica: needs an empty one
+    assert c.decide(150, now=0.0, largest_blocks=101).reason == "prompt_too_large"
+    c.reserve("b", 1, now=0.0)
+    assert c.decide(150, now=0.0, largest_blocks=20).reason == "no_room"
+
+
+def test_restore_keeps_unsettled_reservations_and_takes_config():
+    actor = AdmissionController(AdmissionConfig(settle_s=0.3, retry_after_s=3.0))
+    actor.update(rs("a", used=50), now=100.0)
+    router = AdmissionController.from_snapshot(actor.snapshot(now=100.0), now=10.0)
+    assert router.config.retry_after_s == 3.0
+    router.reserve("a", 45, now=10.0)
+    actor.update(rs("a", used=50, ts=1), now=100.1)
+    router.restore(actor.snapshot(now=100.1), now=10.1)
+    assert router.decide(10, now=10.1).reason == "no_room"
+    actor.update(rs("a", used=95, ts=2), now=100.35)
+    router.restore(actor.snapshot(now=100.35), now=10.35)
+    assert router.room("a") == 5
 
 
 def test_admission_dead_replica_dropped_and_out_of_order_ignored():
@@ -165,6 +191,7 @@ def test_snapshot_restore_rebases_ages():
     snap = actor.snapshot(now=100.4)
     assert snap["totals"]["replicas"] == 2 and snap["totals"]["admitting"] == 1
     assert snap["totals"]["kv_cache_utilization"] == pytest.approx(0.575)
+    assert snap["totals"]["prefix_cache_hit_rate"] == 0.0
     router = AdmissionController.from_snapshot(snap, now=7.0)  # another host, another clock
     assert router.decide(1, now=7.0).replicas == ["b"]
     assert router.decide(1, now=7.5).reason == "stale"  # b was 0.1 s old: stale 0.4 s later
