@@ -1,17 +1,14 @@
 """Cluster-wide admission: per-replica KV watermarks with hysteresis over pushed replica stats.
 
-One `AdmissionActor` per app is the cluster's source of truth: a Serve deployment-scoped actor of the
-LLM replica deployment, so it lives and dies with the app. Replicas push stats to it (`report`) every
-<= 100 ms and `forget` themselves on shutdown; silent replicas go stale (saturated), then are dropped.
-Each router keeps its own controller, refreshed in the background from `actor.snapshot()` through
-`restore(snapshot, now)`, and asks `decide(...)` locally per request: no remote call on the request
-path. Admitted prompts are `reserve`d on the router until stats received `settle_s` later can reflect
+One `AdmissionActor` per app (cluster/admission_actor.py) holds the cluster's source of truth; replicas
+push stats to it every <= 100 ms. Each router keeps its own controller, refreshed in the background
+from `actor.snapshot()` through `restore(snapshot, now)`, and asks `decide(...)` locally per request:
+no remote call on the request path. Admitted prompts are `reserve`d on the router until stats received `settle_s` later can reflect
 them. Staleness is measured by receipt time on the actor and carried as an age in snapshots, so clocks
 of different hosts never get compared.
 """
-from dataclasses import asdict, dataclass, field, replace
-import time
-from typing import Any, Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
 
 from cluster.stats import BLOCK_SIZE, ReplicaStats
 
@@ -202,28 +199,3 @@ def prometheus_text(snapshot: dict[str, Any], prefix: str = "conveyor") -> str:
         lines.append(f"# TYPE {prefix}_cluster_{key} gauge")
         lines.append(f"{prefix}_cluster_{key} {float(value)}")
     return "\n".join(lines) + "\n"
-
-
-class AdmissionActor:
-    """Ray actor body (`ray.remote(AdmissionActor)`, deployed as a Serve deployment-scoped actor)."""
-
-    def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.time):
-        self._clock = clock
-        self.controller = AdmissionController(AdmissionConfig(**(config or {})))
-
-    def report(self, stats: dict[str, Any]) -> None:
-        now = self._clock()
-        self.controller.update(ReplicaStats.from_dict(stats), now)
-        self.controller.expire(now)
-
-    def forget(self, replica_id: str) -> None:
-        self.controller.forget(replica_id)
-
-    def snapshot(self) -> dict[str, Any]:
-        now = self._clock()
-        self.controller.expire(now)
-        return self.controller.snapshot(now)
-
-    def configure(self, config: dict[str, Any]) -> None:
-        self.controller.config = replace(self.controller.config, **config)
-

@@ -38,10 +38,10 @@ class RoutingHint:
 
 
 def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None:
-    hint = kwargs.get("routing_hint")
-    if isinstance(hint, RoutingHint):
-        return hint
-    return next((a for a in args if isinstance(a, RoutingHint)), None)
+    """Found by shape, not class: Ray ships this module to the caller's process by value (cloudpickle), so
+    the caller's `RoutingHint` is not the class this module sees there."""
+    return next((a for a in (kwargs.get("routing_hint"), *args)
+                 if hasattr(a, "prefix_hashes") and hasattr(a, "replicas")), None)
 
 
 @dataclass(frozen=True)

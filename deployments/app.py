@@ -6,12 +6,46 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, DeploymentActorConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from deployments.replica import LLMReplica
+from cluster.admission import AdmissionConfig
+from cluster.admission_actor import AdmissionActor
+from cluster.autoscaling import KVScalingConfig
+from cluster.routing import RouterConfig
+from deployments.replica import ADMISSION_ACTOR, LLMReplica
 from deployments.router import Router
 from engine import EngineConfig
+
+
+class KVAutoscaling(BaseModel):
+    """Replica autoscaling on KV-cache utilisation: Ray's autoscaling_config around
+    cluster.autoscaling:KVCacheAutoscalingPolicy, whose own delays replace Ray's (set to 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
+    look_back_period_s: float = Field(10.0, gt=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    policy: dict[str, float] = {}
+
+    def config(self) -> AutoscalingConfig:
+        policy = {"policy_function": "cluster.autoscaling:KVCacheAutoscalingPolicy", "policy_kwargs": self.policy}
+        return AutoscalingConfig(**self.model_dump(exclude={"policy"}), upscale_delay_s=0, downscale_delay_s=0,
+                                 policy=policy)
+
+
+def check_fields(name: str, cls: type, kwargs: dict[str, Any], exclude: tuple[str, ...] = ()) -> None:
+    """Refuse unknown or invalid `name.*` options up front, naming the option."""
+    known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"{name}.{unknown[0]}: unknown option (known: {', '.join(sorted(known))})")
+    try:
+        cls(**kwargs)
+    except (AssertionError, TypeError, ValueError) as e:
+        raise ValueError(f"{name}: {str(e) or 'invalid values'}") from None
 
 
 class AppArgs(BaseModel):
@@ -26,6 +60,11 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = {}
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
+    kv_autoscaling: KVAutoscaling | None = None
+    admission: dict[str, Any] | None = {}
+    request_router: dict[str, Any] | None = {}
+    request_routing_stats_period_s: float = Field(0.5, gt=0)
+    stats_push_s: float = Field(0.1, gt=0, le=0.1)
     replica_num_cpus: float = Field(1.0, gt=0)
     worker_num_cpus: float = Field(1.0, gt=0)
     torch_threads: int | None = Field(None, ge=1)
@@ -51,7 +90,22 @@ class AppArgs(BaseModel):
             if m and m.group(1) != "model":
                 raise ValueError(f"engine.{m.group(1)}: {m.group(2)}") from None
             raise ValueError(f"model: {m.group(2) if m else e}") from None
+        if self.autoscaling is not None and self.kv_autoscaling is not None:
+            raise ValueError("autoscaling: set autoscaling or kv_autoscaling, not both")
+        if self.kv_autoscaling is not None:
+            check_fields("kv_autoscaling.policy", KVScalingConfig, self.kv_autoscaling.policy,
+                         ("min_replicas", "max_replicas"))
+            if self.kv_autoscaling.max_replicas < self.kv_autoscaling.min_replicas:
+                raise ValueError("kv_autoscaling.max_replicas: must be >= min_replicas")
+        if self.admission is not None:
+            check_fields("admission", AdmissionConfig, self.admission, ("block_size",))
+        if self.request_router is not None:
+            check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine.get("block_size", 16))
 
     def engine_config(self) -> dict[str, Any]:
         return {**self.engine, "model": self.model}
@@ -73,19 +127,31 @@ class AppArgs(BaseModel):
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
             placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []), placement_group_strategy="STRICT_PACK",
             max_ongoing_requests=self.max_ongoing_requests)
-        if self.autoscaling is not None:
-            opts.update(num_replicas="auto", autoscaling_config=self.autoscaling)
+        if self.autoscaling is not None or self.kv_autoscaling is not None:
+            scaling = self.kv_autoscaling.config() if self.kv_autoscaling is not None else self.autoscaling
+            opts.update(num_replicas="auto", autoscaling_config=scaling)
         else:
             opts["num_replicas"] = self.num_replicas
+        if self.request_router is not None:
+            opts["request_router_config"] = RequestRouterConfig(
+                request_router_class="cluster.routing:KVAwareRequestRouter",
+                request_router_kwargs={**self.request_router, "block_size": self.block_size},
+                request_routing_stats_period_s=self.request_routing_stats_period_s,
+                request_routing_stats_timeout_s=max(2.0, 4 * self.request_routing_stats_period_s))
+        if self.admission is not None:
+            opts["deployment_actors"] = [DeploymentActorConfig(
+                name=ADMISSION_ACTOR, actor_class=ray.remote(AdmissionActor), actor_options={"num_cpus": 0},
+                init_kwargs={"config": {**self.admission, "block_size": self.block_size}})]
         return opts
 
 
 def build_app(args: AppArgs) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    push = args.stats_push_s if args.admission is not None else 0.0
     replica = LLMReplica.options(**args.replica_options()).bind(args.engine_config(), args.torch_threads,
-                                                                   args.stream_interval_s, args.stream_chunks_per_s)
+                                                                   args.stream_interval_s, args.stream_chunks_per_s, push)
     router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
-    return router.bind(replica, args.model, args.served_model_name)
+    return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size)
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

@@ -20,9 +20,10 @@ class ErrorResponse(BaseModel):
 
 class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: int | str | None = None) -> None:
+                 type: str = "invalid_request_error", code: int | str | None = None,
+                 retry_after_s: float = 1.0) -> None:
         super().__init__(message)
-        self.status, self.param, self.type = status, param, type
+        self.status, self.param, self.type, self.retry_after_s = status, param, type, retry_after_s
         self.code = status if code is None else code
 
     def response(self) -> ErrorResponse:

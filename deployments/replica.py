@@ -1,4 +1,5 @@
 import asyncio
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -6,25 +7,55 @@ import ray
 import torch
 from ray import serve
 
+from cluster.routing import RoutingHint
+from cluster.stats import ReplicaStats, push_due
 from deployments.protocol import Chunk, Delta, GenerateRequest
 from deployments.responses import merge_deltas
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
+ADMISSION_ACTOR = "admission"
+log = logging.getLogger("ray.serve")
+
 
 @serve.deployment(name="LLMReplica", max_ongoing_requests=1024, health_check_period_s=5)
 class LLMReplica:
-    """Owns one AsyncEngine; streams small deltas per choice, aborts on cancellation."""
+    """Owns one AsyncEngine; streams small deltas per choice, aborts on cancellation; pushes its load to
+    the app's admission actor every `stats_push_s` (0: no admission) and at once on big changes."""
 
-    def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
-                 stream_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0) -> None:
+    async def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
+                       stream_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0,
+                       stats_push_s: float = 0.0) -> None:
         self.stream_interval_s, self.stream_chunks_per_s, self.num_streams = stream_interval_s, stream_chunks_per_s, 0
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(torch_threads or max(1, int(cpus)))
         self.engine = AsyncEngine(EngineConfig(**engine_args))
         try:
-            self.replica_id = serve.get_replica_context().replica_tag
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
             self.replica_id = "local"
+        self.stats_push_s, self._actor = stats_push_s, None
+        self._pusher = asyncio.create_task(self._push_loop()) if stats_push_s > 0 else None
+
+    def admission(self) -> Any:
+        """The app's admission actor handle, resolved anew after it was recreated."""
+        if self._actor is None and self.stats_push_s > 0:
+            self._actor = serve.get_deployment_actor(ADMISSION_ACTOR)
+        return self._actor
+
+    async def _push_loop(self) -> None:
+        last, last_at = None, 0.0
+        while True:
+            await asyncio.sleep(self.stats_push_s / 5)
+            current, now = ReplicaStats.from_engine(self.replica_id, self.engine.stats()), time.monotonic()
+            if not push_due(last, current, last_at, now, self.stats_push_s):
+                continue
+            try:
+                await asyncio.wait_for(self.admission().report.remote(current.to_dict()), timeout=2.0)
+                last, last_at = current, now
+            except Exception as e:
+                log.warning("stats push to the admission actor failed: %r", e)
+                self._actor, last = None, None
+                await asyncio.sleep(self.stats_push_s)
 
     def info(self) -> dict[str, Any]:
         return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
@@ -64,7 +95,7 @@ class LLMReplica:
         rate = self.num_streams / self.stream_chunks_per_s if self.stream_chunks_per_s else 0.0
         return max(self.stream_interval_s, rate)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerateRequest, routing_hint: RoutingHint | None = None) -> AsyncIterator[Chunk]:
         jobs = []
         for p, prompt in enumerate(req.prompts):
             for i in range(req.n):
@@ -96,7 +127,7 @@ class LLMReplica:
                 if req.stream or not live:
                     chunk = Chunk(deltas=merge_deltas(pending))
                     if not last:
-                        chunk["first_s"] = time.perf_counter() - start
+                        chunk.update(first_s=time.perf_counter() - start, replica=self.replica_id)
                     if not live:
                         chunk.update(replica=self.replica_id, stats=self.stats())
                     pending = []
@@ -110,6 +141,11 @@ class LLMReplica:
                 await self.engine.abort(rid)
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
+        pusher, actor, engine = getattr(self, "_pusher", None), getattr(self, "_actor", None), getattr(self, "engine", None)
+        self._pusher = self._actor = self.engine = None
+        if pusher is not None:
+            pusher.cancel()
+        if actor is not None:
+            ray.wait([actor.forget.remote(self.replica_id)], timeout=1.0)
         if engine is not None:
             engine.shutdown()

@@ -1,4 +1,5 @@
 import asyncio
+import math
 import re
 import time
 import uuid
@@ -13,6 +14,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from transformers import AutoTokenizer
 
+from cluster.admission import prometheus_text
+from cluster.admission_actor import AdmissionClient
+from cluster.routing import RoutingHint
+from cluster.stats import num_blocks
 from deployments.metrics import RouterMetrics
 from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
@@ -25,7 +30,7 @@ app = FastAPI(title="Conveyor")
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))} if e.status in (429, 503) else None
     return JSONResponse(e.response().model_dump(), status_code=e.status, headers=headers)
 
 
@@ -63,15 +68,21 @@ def param_of(message: str) -> str | None:
 @serve.deployment(name="Router", max_ongoing_requests=4096)
 @serve.ingress(app)
 class Router:
-    """OpenAI-compatible HTTP front: validates and tokenises, then streams deltas from an LLMReplica."""
+    """OpenAI-compatible HTTP front: validates and tokenises, asks admission, then streams deltas from the
+    LLMReplica that the request router picks with the request's routing hint."""
 
-    def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None) -> None:
+    async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
+                       admission: bool = False, block_size: int = 16) -> None:
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
         self.metrics = RouterMetrics()
         self._info: dict[str, Any] | None = None
+        self.block_size = block_size
+        self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if admission else None
+        if self.gate is not None:
+            self.gate.start()
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:
@@ -118,8 +129,26 @@ class Router:
         return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
                                priority=req.priority, stream=req.stream)
 
-    async def stream(self, gen_req: GenerateRequest) -> AsyncIterator[Chunk]:
-        gen = self.streaming.generate.remote(gen_req)
+    async def admit(self, prompts: list[list[int]], n: int, where: str) -> RoutingHint:
+        """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
+        if self.gate is None:
+            return RoutingHint.from_token_ids(prompts[0], self.block_size)
+        sizes = [num_blocks(len(p), self.block_size) for p in prompts]
+        d = await self.gate.decide(sum(sizes) * n, max(sizes))
+        self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
+        if d.admit:
+            return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas)
+        if d.reason == "prompt_too_large":
+            raise APIError(f"the {where} needs {max(sizes)} KV-cache blocks, more than any replica has", param=where)
+        if d.reason in ("no_replicas", "stale"):
+            raise APIError(f"no replica is reporting its load ({d.reason}); retry later", status=503,
+                           type="service_unavailable", code=d.reason, retry_after_s=d.retry_after_s)
+        raise APIError(f"overloaded: no replica has KV-cache room for this request ({d.reason}); retry after "
+                       f"{d.retry_after_s:g}s", status=429, type="rate_limit_error", code=d.reason,
+                       retry_after_s=d.retry_after_s)
+
+    async def stream(self, gen_req: GenerateRequest, hint: RoutingHint) -> AsyncIterator[Chunk]:
+        gen = self.streaming.generate.remote(gen_req, routing_hint=hint)
         done = False
         try:
             async for chunk in gen:
@@ -132,9 +161,9 @@ class Router:
             if not done:
                 gen.cancel()
 
-    async def run(self, req: SamplingRequest, gen_req: GenerateRequest, builder: ResponseBuilder,
+    async def run(self, req: SamplingRequest, gen_req: GenerateRequest, hint: RoutingHint, builder: ResponseBuilder,
                   start: float) -> Response:
-        stream = self.stream(gen_req)
+        stream = self.stream(gen_req, hint)
         try:
             first = await anext(stream, Chunk(deltas=[]))
         except Exception as e:
@@ -149,7 +178,8 @@ class Router:
         if req.stream:
             self.metrics.ttft.observe(ttft)
         self.metrics.prompt_tokens.inc(builder.prompt_tokens)
-        timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}"}
+        timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}",
+                  "x-conveyor-replica": first.get("replica", "")}
         if not req.stream:
             builder.add(first["deltas"])
             async for chunk in stream:
@@ -186,15 +216,17 @@ class Router:
                 except Exception as e:
                     raise APIError(f"messages: cannot apply the chat template: {e}", param="messages") from None
                 prompts = [self.tokenizer(text, add_special_tokens=False).input_ids]
-                gen_req = await self.prepare(req, prompts, req.max_completion_tokens or req.max_tokens, "messages")
+                where = "messages"
+                gen_req = await self.prepare(req, prompts, req.max_completion_tokens or req.max_tokens, where)
                 rid = f"chatcmpl-{gen_req.request_id}"
             else:
-                prompts = self.tokenize_prompts(req.prompt)
-                gen_req = await self.prepare(req, prompts, req.max_tokens, "prompt")
+                prompts, where = self.tokenize_prompts(req.prompt), "prompt"
+                gen_req = await self.prepare(req, prompts, req.max_tokens, where)
                 rid = f"cmpl-{gen_req.request_id}"
+            hint = await self.admit(prompts, req.n, where)
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
                                       len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode)
-            return await self.run(req, gen_req, builder, start)
+            return await self.run(req, gen_req, hint, builder, start)
         except APIError as e:
             status = e.status
             return error_response(e)
@@ -228,6 +260,20 @@ class Router:
             return error_response(APIError(f"unhealthy: {cause(e)}", status=503, type="service_unavailable"))
         return Response(status_code=200)
 
+    @app.get("/v1/cluster")
+    async def cluster(self) -> Response:
+        if self.gate is None:
+            raise APIError("admission is off in this app", status=404, type="not_found_error")
+        try:
+            snapshot = await self.gate.refresh()
+        except Exception as e:
+            snapshot = self.gate.snapshot
+            if snapshot is None:
+                raise APIError(f"admission actor unavailable: {e!r}", status=503, type="service_unavailable") from None
+        return JSONResponse(snapshot)
+
     @app.get("/metrics")
     async def prometheus(self) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        snapshot = self.gate.snapshot if self.gate is not None else None
+        text = self.metrics.render() + (prometheus_text(snapshot).encode() if snapshot else b"")
+        return Response(text, media_type="text/plain; version=0.0.4")

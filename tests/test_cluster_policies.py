@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from cluster.admission import (AdmissionActor, AdmissionConfig, AdmissionController, Decision, Watermarks,
-                               prometheus_text)
+from cluster.admission import AdmissionConfig, AdmissionController, Decision, Watermarks, prometheus_text
+from cluster.admission_actor import AdmissionActor, AdmissionClient
 from cluster.autoscaling import KVCacheAutoscalingPolicy, KVScalingConfig, autoscaling_metrics, desired_replicas
 from cluster.prefix_index import PrefixIndex
 from cluster.routing import (Candidate, KVAwareRequestRouter, RouterConfig, RoutingHint, choose, find_hint,
@@ -215,6 +215,50 @@ def test_admission_actor_body_and_metrics():
     assert actor.controller.config.high_watermark == 0.95
 
 
+class FakeActor:
+    """AdmissionActor behind awaitable `.remote()` calls, like a Ray actor handle; can be made to die."""
+
+    def __init__(self, body: AdmissionActor):
+        self.body, self.dead = body, False
+        self.snapshot = SimpleNamespace(remote=self._snapshot)
+
+    async def _snapshot(self) -> dict:
+        if self.dead:
+            raise RuntimeError("actor died")
+        return self.body.snapshot()
+
+
+def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
+    clock = [0.0]
+    body = AdmissionActor({"settle_s": 0.3}, clock=lambda: clock[0])
+    actors: list[FakeActor] = []
+
+    async def get_actor() -> FakeActor:
+        actors.append(FakeActor(body))
+        return actors[-1]
+
+    async def scenario() -> None:
+        client = AdmissionClient(get_actor, clock=lambda: clock[0])
+        d = await client.decide(4)
+        assert (d.admit, d.reason) == (False, "no_replicas") and len(actors) == 1  # looked once more, still none
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        d = await client.decide(4)  # no refresh ran since: decide fetches one snapshot before refusing
+        assert d.admit and d.replicas == ["r"]
+        assert (await client.decide(4)).admit
+        d = await client.decide(4)  # 8 of 10 blocks reserved locally, no remote call
+        assert (d.admit, d.reason) == (False, "no_room")
+        actors[-1].dead = True
+        with pytest.raises(RuntimeError):
+            await client.refresh()
+        clock[0] = 0.4
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        await client.refresh()  # a new handle; stats received 0.4 s after the reservations settle them
+        assert len(actors) == 2 and client.controller.room("r") == 10
+        assert client.snapshot["totals"]["replicas"] == 1
+
+    asyncio.run(scenario())
+
+
 # ---------------------------------------------------------------- routing
 
 CFG = RouterConfig()
@@ -277,6 +321,8 @@ def test_routing_hint_and_lookup():
     assert find_hint(["req"], {"routing_hint": hint}) is hint
     assert find_hint(["req", hint], {}) is hint
     assert find_hint(["req"], {}) is None
+    foreign = SimpleNamespace(prefix_hashes=hint.prefix_hashes, num_prompt_blocks=3, replicas=())
+    assert find_hint(["req"], {"routing_hint": foreign}) is foreign  # same shape, another class object
 
 
 class FakeReplica:

@@ -1,0 +1,185 @@
+"""The cluster layer end to end over real Ray Serve on CPU: admission under a burst, KV autoscaling
+1 -> 2 -> 1, prefix affinity of the KV-aware router against Ray's power-of-two router. One Ray cluster
+for the module; each test deploys its own apps and deletes them."""
+import asyncio
+import random
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from tests.test_serve_e2e import free_port, start_ray, stop_ray  # noqa: E402
+
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, max_model_len=512)
+APP = dict(replica_num_cpus=0.25, router_num_cpus=0.1, torch_threads=1)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SimpleNamespace]:
+    start_ray()
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        stop_ray()
+
+
+def run_apps(**apps: dict[str, Any]) -> None:
+    from deployments.app import AppArgs, build_app
+    serve.run_many([serve.RunTarget(build_app(AppArgs(**{**APP, **args})), name=name, route_prefix=f"/{name}")
+                    for name, args in apps.items()])
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 8000) for _ in range(n)]
+
+
+def eventually(check: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> float:
+    start = time.time()
+    while time.time() - start < timeout:
+        if check():
+            return time.time() - start
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def running_replicas(app: str) -> int:
+    return serve.status().applications[app].deployments["LLMReplica"].replica_states.get("RUNNING", 0)
+
+
+async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+
+def test_burst_gets_429_and_every_admitted_request_completes(cluster: SimpleNamespace) -> None:
+    run_apps(burst={"engine": {**ENGINE, "num_blocks": 24, "max_num_seqs": 4}, "num_replicas": 1})
+    url, http = f"{cluster.url}/burst", httpx.Client(base_url=f"{cluster.url}/burst", timeout=60)
+    try:
+        rng = random.Random(0)
+        bodies = [{"prompt": tokens(rng, 64), "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+                  for _ in range(32)]
+        start = time.time()
+        resps = asyncio.run(post_all(url, bodies))
+        assert time.time() - start < 120
+        codes = [r.status_code for r in resps]
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+        for r in resps:
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+                assert r.json()["usage"]["completion_tokens"] == 32
+            else:
+                assert int(r.headers["retry-after"]) >= 1
+                err = r.json()["error"]
+                assert err["type"] == "rate_limit_error" and err["code"] in ("saturated", "no_room")
+        refused = [b for b, r in zip(bodies, resps) if r.status_code == 429]
+        for body in refused[:3]:  # a refused request was not half-done: sent again later, it completes
+            time.sleep(1)
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 32
+        replica = serve.get_deployment_handle("LLMReplica", app_name="burst")
+
+        def idle() -> bool:
+            s = replica.stats.remote().result()
+            return s["num_running"] == s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] == 24
+        eventually(idle, 10, "the block pool is whole again")
+        snap = http.get("/v1/cluster").json()
+        assert snap["totals"]["replicas"] == 1 and snap["replicas"][0]["kv_blocks_total"] == 24
+        assert snap["replicas"][0]["kv_blocks_free"] == 24 and snap["totals"]["admitting"] == 1
+        metrics = http.get("/metrics").text
+        assert 'conveyor_admission_decisions_total{admitted="false",reason=' in metrics
+        assert f'conveyor_admission_decisions_total{{admitted="true",reason="ok"}} {codes.count(200) + 3}.0' in metrics
+        assert "conveyor_cluster_kv_blocks_free 24.0" in metrics and "conveyor_replica_saturated{replica=" in metrics
+    finally:
+        serve.delete("burst")
+
+
+class Load:
+    """`n` clients in a thread, each sending long greedy completions back to back; a 429 waits Retry-After."""
+
+    def __init__(self, url: str, n: int, prompt_len: int, max_tokens: int) -> None:
+        self.url, self.n, self.prompt_len, self.max_tokens = url, n, prompt_len, max_tokens
+        self.stop, self.codes = threading.Event(), []
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.run()), daemon=True)
+
+    async def client(self, http: httpx.AsyncClient, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            r = await http.post("/v1/completions", json={"prompt": tokens(rng, self.prompt_len), "ignore_eos": True,
+                                                         "max_tokens": self.max_tokens})
+            self.codes.append(r.status_code)
+            if r.status_code == 429:
+                await asyncio.sleep(float(r.headers["retry-after"]))
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=120) as http:
+            await asyncio.gather(*(self.client(http, i) for i in range(self.n)))
+
+    def __enter__(self) -> "Load":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "a load client hung"
+
+
+def test_kv_pressure_scales_1_to_2_and_idle_back_to_1(cluster: SimpleNamespace) -> None:
+    scaling = {"min_replicas": 1, "max_replicas": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
+               "policy": {"target_kv_utilization": 0.5, "tolerance": 0.1, "upscale_delay_s": 1,
+                          "downscale_delay_s": 4}}
+    run_apps(scale={"engine": {**ENGINE, "num_blocks": 48}, "kv_autoscaling": scaling})
+    http = httpx.Client(base_url=f"{cluster.url}/scale", timeout=60)
+    try:
+        assert running_replicas("scale") == 1
+        with Load(f"{cluster.url}/scale", n=6, prompt_len=48, max_tokens=160) as load:
+            eventually(lambda: running_replicas("scale") == 2, 120, "scale up to 2 replicas under KV pressure")
+            eventually(lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 2, 20,
+                       "the new replica reports to admission")
+        assert load.codes.count(200) >= 1 and set(load.codes) <= {200, 429}
+        eventually(lambda: running_replicas("scale") == 1, 90, "scale back to 1 replica when idle")
+        eventually(lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 1, 15,
+                   "the stopped replica's stats are dropped")
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        serve.delete("scale")
+
+
+def test_shared_prefixes_stick_to_one_replica_and_beat_power_of_two(cluster: SimpleNamespace) -> None:
+    engine = {**ENGINE, "num_blocks": 256}
+    run_apps(kv={"engine": engine, "num_replicas": 2},
+             p2c={"engine": engine, "num_replicas": 2, "request_router": None})
+    rng = random.Random(1)
+    systems = [tokens(rng, 160) for _ in range(3)]
+    work = [(g, systems[g] + tokens(rng, 20)) for g in range(3) for _ in range(8)]
+    rng.shuffle(work)
+    try:
+        hit_rates, placement = {}, {}
+        for app in ("kv", "p2c"):
+            http = httpx.Client(base_url=f"{cluster.url}/{app}", timeout=60)
+            placement[app] = {g: set() for g in range(3)}
+            for g, prompt in work:
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+                placement[app][g].add(r.headers["x-conveyor-replica"])
+            time.sleep(0.5)
+            totals = http.get("/v1/cluster").json()["totals"]
+            assert totals["replicas"] == 2 and totals["prefix_cache_queries"] >= 24 * 180
+            hit_rates[app] = totals["prefix_cache_hit_rate"]
+        assert all(len(replicas) == 1 for replicas in placement["kv"].values()), placement["kv"]
+        assert hit_rates["kv"] >= (21 * 160) / (24 * 180) - 0.02, hit_rates
+        assert hit_rates["kv"] > hit_rates["p2c"], hit_rates
+    finally:
+        serve.delete("kv")
+        serve.delete("p2c")
