@@ -17,9 +17,13 @@ class Block:
 
 
 def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
-    h = hashlib.sha256(parent or b"root")
-    if parent is None and salt:
-        h.update(salt.encode())
+    """sha256 over an injective encoding: a tag, then the parent hash (later blocks) or the
+    length-prefixed salt (first block, so the salt reaches every block through the chain)."""
+    if parent is not None:
+        h = hashlib.sha256(b"\x01" + parent)
+    else:
+        extra = (salt or "").encode()
+        h = hashlib.sha256(b"\x00" + len(extra).to_bytes(8, "little") + extra)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
@@ -42,9 +46,7 @@ class BlockPool:
         for _ in range(n):
             queue = self.free_plain if self.free_plain else self.free_cached
             _, block = queue.popitem(last=False)
-            if block.hash is not None:
-                del self.cached[block.hash]
-                block.hash = None
+            self.unregister(block)
             block.ref_count = 1
             out.append(block)
         return out
@@ -60,6 +62,11 @@ class BlockPool:
             b.ref_count -= 1
             if b.ref_count == 0:
                 (self.free_cached if b.hash is not None else self.free_plain)[b.block_id] = b
+
+    def unregister(self, block: Block) -> None:
+        if block.hash is not None and self.cached.get(block.hash) is block:
+            del self.cached[block.hash]
+        block.hash = None
 
     def register(self, block: Block, h: bytes) -> None:
         if block.hash is None and h not in self.cached:
@@ -131,6 +138,9 @@ class BlockManager:
         return [b.block_id for b in added]
 
     def _register(self, seq: Sequence, table: list[Block], num_full: int) -> None:
+        """Publishes the blocks this step's chunk fills, so requests admitted in the same step share them
+        (each layer stores every token's K/V before any attention reads). free() takes back the ones
+        whose chunk was dropped before running."""
         rid = seq.request_id
         hashes = self._hashes(seq)
         for i in range(self.num_registered.get(rid, 0), min(num_full, len(hashes))):
@@ -143,8 +153,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         rid = seq.request_id
-        self.pool.release(self.tables.pop(rid, []))
-        self.num_registered.pop(rid, None)
+        table = self.tables.pop(rid, [])
+        for block in table[seq.num_computed_tokens // self.block_size:self.num_registered.pop(rid, 0)]:
+            self.pool.unregister(block)  # published for a chunk that never ran: its request was preempted
+        self.pool.release(table)
         self.free_swap.extend(self.swapped.pop(rid, []))
 
     def forget(self, seq: Sequence) -> None:
@@ -152,18 +164,20 @@ class BlockManager:
         self.hashes.pop(seq.request_id, None)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
-        table = self.tables.get(seq.request_id, [])
-        if len(table) > len(self.free_swap):
+        computed = self.tables.get(seq.request_id, [])[:self.blocks_for(seq.num_computed_tokens)]
+        if len(computed) > len(self.free_swap):
             return None
-        slots = [self.free_swap.pop() for _ in table]
-        pairs = [(b.block_id, s) for b, s in zip(table, slots)]
+        slots = [self.free_swap.pop() for _ in computed]
+        pairs = [(b.block_id, s) for b, s in zip(computed, slots)]
         self.free(seq)
         self.swapped[seq.request_id] = slots
         return pairs
 
-    def swap_in(self, seq: Sequence, reserve: int = 0) -> list[tuple[int, int]] | None:
+    def swap_in(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> list[tuple[int, int]] | None:
+        """Only if the blocks for num_new_tokens fit too: undoing a swap-in would remap the slots."""
         slots = self.swapped.get(seq.request_id, [])
-        if len(slots) > self.pool.num_free - reserve:
+        grow = max(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(slots), 0)
+        if len(slots) + grow > self.pool.num_free - reserve:
             return None
         blocks = self.pool.allocate(len(slots))
         self.tables[seq.request_id] = blocks

@@ -31,24 +31,29 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 cache_salt: list[str | None] | None = None) -> list[RequestOutput]:
+        """cache_salt (or a prompt dict's "cache_salt" key): prefix-cache hits only among equal salts."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         priority = priority or [0] * len(prompts)
+        salts = cache_salt or [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        if len(salts) != len(prompts) or any(s is not None and not isinstance(s, str) for s in salts):
+            raise ValueError(f"cache_salt must be one string or None per prompt ({len(prompts)} prompts)")
         requests = []
         for prompt, p in zip(prompts, params):
             text, ids = self._tokenize(prompt)
             self.engine.validate(ids, p)
             requests.append((text, ids, p))
         order: dict[str, tuple[int, int]] = {}
-        for i, ((text, ids, p), prio) in enumerate(zip(requests, priority)):
+        for i, ((text, ids, p), prio, salt) in enumerate(zip(requests, priority, salts)):
             for j in range(p.n):
                 rid = str(next(self._ids))
                 order[rid] = (i, j)
                 sub = p if p.n == 1 else _sub_params(p, j)
-                self.engine.add_request(rid, ids, sub, priority=prio, prompt=text)
+                self.engine.add_request(rid, ids, sub, priority=prio, prompt=text, cache_salt=salt)
         return self._run(order, len(prompts), use_tqdm)
 
     def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:

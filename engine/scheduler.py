@@ -43,14 +43,16 @@ class Scheduler:
     def _victim_key(seq: Sequence) -> tuple:
         return seq.held_finish is not None, seq.priority, -seq.num_computed_tokens, seq.arrival_time
 
-    def _chunk(self, seq: Sequence, budget: int, prefills: int) -> int:
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if n > 1:
-            cfg = self.config
-            if cfg.max_num_partial_prefills and prefills >= cfg.max_num_partial_prefills:
-                return 0
-            if cfg.long_prefill_token_threshold:
-                n = min(n, cfg.long_prefill_token_threshold)
+    def _chunk(self, seq: Sequence, budget: int, partials: int) -> int:
+        """Caps one request's chunk and the number of partial prefills (chunks leaving part of the prompt for
+        later); a prompt that completes in this chunk is never held back, so long prompts can't block short ones."""
+        cfg = self.config
+        left = seq.num_tokens - seq.num_computed_tokens
+        n = min(left, budget)
+        if n > 1 and cfg.long_prefill_token_threshold:
+            n = min(n, cfg.long_prefill_token_threshold)
+        if n < left and cfg.max_num_partial_prefills and partials >= cfg.max_num_partial_prefills:
+            return 0
         return n
 
     def schedule(self) -> SchedulerOutput:
@@ -61,11 +63,11 @@ class Scheduler:
         self.running.sort(key=lambda s: (s.priority, s.arrival_time))
         live = [s for s in self.running if s.held_finish is None]
         held = [s for s in self.running if s.held_finish is not None]
-        budget, prefills, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
+        budget, partials, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
         self.watermark.observe(preempted)
         if not preempted:
-            budget, prefills = self._admit(out, chunks, budget, prefills)
-        self._schedule_running(held, out, chunks, budget, prefills, may_preempt=False)
+            budget, partials = self._admit(out, chunks, budget, partials)
+        self._schedule_running(held, out, chunks, budget, partials, may_preempt=False)
         for c in chunks.values():
             seq = self.requests[c.req_id]
             seq.num_computed_tokens += len(c.token_ids)
@@ -74,18 +76,19 @@ class Scheduler:
         return out
 
     def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk],
-                          budget: int, prefills: int, may_preempt: bool = True) -> tuple[int, int, bool]:
+                          budget: int, partials: int, may_preempt: bool = True) -> tuple[int, int, bool]:
         preempted = False
         for seq in seqs:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = self._chunk(seq, budget, prefills)
+            n = self._chunk(seq, budget, partials)
             if n == 0 or (seq.held_finish is not None and seq.num_tokens >= self.config.max_model_len):
                 continue
             while (ids := self.kv.allocate(seq, n)) is None and may_preempt:
                 victim = max(self.running, key=self._victim_key)
-                if victim.request_id in chunks:
-                    budget += len(chunks.pop(victim.request_id).token_ids)
+                if (dropped := chunks.pop(victim.request_id, None)) is not None:
+                    budget += len(dropped.token_ids)
+                    partials -= len(dropped.token_ids) < victim.num_tokens - dropped.start
                 self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
@@ -94,59 +97,60 @@ class Scheduler:
                 continue
             chunks[seq.request_id] = self._make_chunk(seq, n, ids, reset=False)
             budget -= n
-            prefills += n > 1
-        return budget, prefills, preempted
+            partials += n < seq.num_tokens - seq.num_computed_tokens
+        return budget, partials, preempted
 
     def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
-               prefills: int) -> tuple[int, int]:
+               partials: int) -> tuple[int, int]:
+        """Swapped and waiting requests in one priority order, stopping at the first that does not fit:
+        admitting past it would let a stream of later arrivals starve it. Only the partial-prefill cap
+        lets a prompt that completes in one chunk pass one that would be split."""
         cfg = self.config
         static = cfg.scheduling_policy == "static"
-        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.swapped[0]
-            n = self._chunk(seq, budget, prefills)
-            pairs = self.kv.swap_in(seq, self._reserve()) if n else None
-            if pairs is None or (ids := self.kv.allocate(seq, n)) is None:
-                if pairs is not None:
-                    self.kv.swap_out(seq)
-                if self._release_one_held():
-                    continue
-                break
-            out.swap_in += pairs
-            self.swapped.pop(0)
-            self._start(seq, chunks, n, ids)
-            budget, prefills = budget - n, prefills + (n > 1)
         if static and not self.running and not self.swapped and not self.static_batch.intersection(s.request_id for s in self.waiting):
             batch = sorted(self.waiting, key=self._wait_key)[:cfg.max_num_seqs]
             self.static_batch = {s.request_id for s in batch}
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            candidates = [s for s in self.waiting if not static or s.request_id in self.static_batch]
+        capped: set[Sequence] = set()
+        while budget > 0 and len(self.running) < cfg.max_num_seqs:
+            candidates = [s for s in self.swapped + self.waiting
+                          if s not in capped and (not static or s.request_id in self.static_batch)]
             if not candidates:
                 break
             seq = min(candidates, key=self._wait_key)
-            prefix = self.kv.cached_prefix(seq)
-            cached = len(prefix) * self.kv.block_size
-            n = self._chunk_from(seq, cached, budget, prefills)
+            swapped = seq.status is SequenceStatus.SWAPPED
+            prefix = [] if swapped else self.kv.cached_prefix(seq)
+            cached = seq.num_computed_tokens if swapped else len(prefix) * self.kv.block_size
+            n = self._chunk_from(seq, cached, budget, partials)
             if n == 0:
-                break
-            ids = self.kv.allocate(seq, n, prefix, self._reserve())
+                capped.add(seq)
+                continue
+            if swapped:
+                pairs = self.kv.swap_in(seq, n, self._reserve())
+                ids = None if pairs is None else self.kv.allocate(seq, n)
+            else:
+                ids = self.kv.allocate(seq, n, prefix, self._reserve())
             if ids is None:
                 if self._release_one_held():
                     continue
                 break
-            self.kv.record_query(seq.num_tokens, cached)
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
-            self.waiting.remove(seq)
-            if seq.request_id not in self.kv.swapped and not seq.seen_by_runner:
+            if swapped:
+                out.swap_in += pairs
+                self.swapped.remove(seq)
+            else:
+                self.kv.record_query(seq.num_tokens, cached)
+                seq.num_computed_tokens = seq.num_cached_tokens = cached
+                self.waiting.remove(seq)
+            if not seq.seen_by_runner:
                 seq.seen_by_runner = True
                 stop_ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
                 out.new_requests.append(NewRequestData(seq.request_id, seq.prompt_token_ids, seq.params, stop_ids))
             self._start(seq, chunks, n, ids)
-            budget, prefills = budget - n, prefills + (n > 1)
-        return budget, prefills
+            budget, partials = budget - n, partials + (n < seq.num_tokens - cached)
+        return budget, partials
 
-    def _chunk_from(self, seq: Sequence, cached: int, budget: int, prefills: int) -> int:
+    def _chunk_from(self, seq: Sequence, cached: int, budget: int, partials: int) -> int:
         computed, seq.num_computed_tokens = seq.num_computed_tokens, cached
-        n = self._chunk(seq, budget, prefills)
+        n = self._chunk(seq, budget, partials)
         seq.num_computed_tokens = computed
         return n
 

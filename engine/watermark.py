@@ -1,7 +1,9 @@
-"""Blocks held back from new admissions while others run, so running sequences can grow.
+"""Blocks held back from new admissions (and swap-ins) while others run, so running sequences can grow.
 
-Adaptive rule: a step that preempts doubles the fraction (up to 4x the base, at most 20%); every
-50 consecutive steps without a preemption halve the excess back towards the base."""
+Adaptive rule: a step that preempts doubles the fraction (to at least 1%, at most max(4 x base, 2%)
+and never above 20%); every 50 consecutive steps without a preemption halve the excess back towards
+the base. So a preemption storm raises the reserve within a few steps, and a calm period gives the
+memory back to admissions."""
 
 
 class Watermark:
