@@ -111,6 +111,14 @@ class AdmissionController:
         reserved = sum(n for _, n in self._reserved.get(replica_id, ()))
         return entry.stats.room_blocks(self.config.block_size) - reserved
 
+    def pressure(self, replica_id: str) -> float:
+        """KV demand / capacity, counting this controller's reservations."""
+        total = self.replicas[replica_id].stats.kv_blocks_total
+        return 1.0 - self.room(replica_id) / total if total else 1.0
+
+    def pressures(self, now: float) -> dict[str, float]:
+        return {rid: self.pressure(rid) for rid, e in self.replicas.items() if self.fresh(e, now)}
+
     def reserve(self, replica_id: str, num_blocks: int, now: float) -> None:
         """Charge an admitted prompt to a replica until stats that can include it arrive (router-side)."""
         if replica_id in self.replicas:

@@ -21,11 +21,11 @@ class AdmissionActor:
     """Ray actor body (`ray.remote(AdmissionActor)`, deployed as a Serve deployment-scoped actor)."""
 
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.time):
-        self._clock = clock
+        self.clock = clock
         self.controller = AdmissionController(AdmissionConfig(**(config or {})))
 
     def report(self, stats: dict[str, Any]) -> None:
-        now = self._clock()
+        now = self.clock()
         self.controller.update(ReplicaStats.from_dict(stats), now)
         self.controller.expire(now)
 
@@ -33,7 +33,7 @@ class AdmissionActor:
         self.controller.forget(replica_id)
 
     def snapshot(self) -> dict[str, Any]:
-        now = self._clock()
+        now = self.clock()
         self.controller.expire(now)
         return self.controller.snapshot(now)
 
@@ -52,7 +52,7 @@ class AdmissionClient:
                  clock: Callable[[], float] = time.monotonic):
         self.controller = AdmissionController()
         self.snapshot: dict[str, Any] | None = None
-        self.refresh_s, self._get_actor, self._clock = refresh_s, get_actor, clock
+        self.refresh_s, self._get_actor, self.clock = refresh_s, get_actor, clock
         self._actor: Any = None
         self._task: asyncio.Task | None = None
 
@@ -64,7 +64,7 @@ class AdmissionClient:
         except Exception:
             self._actor = None
             raise
-        self.controller.restore(snapshot, self._clock())
+        self.controller.restore(snapshot, self.clock())
         self.snapshot = snapshot
         return snapshot
 
@@ -83,14 +83,14 @@ class AdmissionClient:
 
     async def decide(self, num_prompt_blocks: int, largest_blocks: int | None = None) -> Decision:
         """Admit (reserving the prompt's blocks on the roomiest replica) or refuse."""
-        now = self._clock()
+        now = self.clock()
         d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
         if not d.admit and d.reason in ("no_replicas", "stale"):
             try:
                 await self.refresh()
             except Exception:
                 return d
-            now = self._clock()
+            now = self.clock()
             d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
         if d.admit:
             self.controller.reserve(d.replicas[0], num_prompt_blocks, now)

@@ -35,8 +35,11 @@ class KVScalingConfig:
     max_replicas: int = 8
 
     def __post_init__(self) -> None:
-        assert 0.0 < self.target_kv_utilization <= 1.0 and 0.0 <= self.tolerance < 1.0
-        assert 0 <= self.min_replicas <= self.max_replicas
+        assert 0.0 < self.target_kv_utilization <= 1.0, "target_kv_utilization must be in (0, 1]"
+        assert 0.0 <= self.tolerance < 1.0, "tolerance must be in [0, 1)"
+        assert self.target_waiting_per_replica > 0, "target_waiting_per_replica must be > 0"
+        assert self.upscale_delay_s >= 0 and self.downscale_delay_s >= 0, "delays must be >= 0"
+        assert 0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"
 
 
 def autoscaling_metrics(stats: "EngineStats | ReplicaStats") -> dict[str, float]:

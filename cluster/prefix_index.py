@@ -1,4 +1,5 @@
-"""Router-side memory of which prompt blocks (chain hashes) were sent to which replica, LRU-bounded."""
+"""Router-side memory of which prompt blocks (chain hashes) were sent to which replica, LRU-bounded per
+replica by the replica's KV-cache size when known: blocks a replica must have evicted stop attracting."""
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -8,12 +9,13 @@ class PrefixIndex:
         self.max_blocks_per_replica = max_blocks_per_replica
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
 
-    def record(self, replica_id: str, hashes: Sequence[bytes]) -> None:
+    def record(self, replica_id: str, hashes: Sequence[bytes], capacity: int | None = None) -> None:
         lru = self._blocks.setdefault(replica_id, OrderedDict())
         for h in reversed(hashes):  # leading blocks end up most recent: deep blocks are evicted first
             lru[h] = None
             lru.move_to_end(h)
-        while len(lru) > self.max_blocks_per_replica:
+        limit = min(self.max_blocks_per_replica, capacity or self.max_blocks_per_replica)
+        while len(lru) > limit:
             lru.popitem(last=False)
 
     def match(self, replica_id: str, hashes: Sequence[bytes]) -> int:

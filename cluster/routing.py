@@ -15,7 +15,7 @@ Wiring (Ray Serve 2.60):
 - The prefix index learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted
   the request (the default, strict max_ongoing_requests path).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -27,14 +27,18 @@ from cluster.stats import BLOCK_SIZE, ReplicaStats, block_hashes, num_blocks
 
 @dataclass(frozen=True)
 class RoutingHint:
+    """What the caller knows: the prompt's block hashes, and from admission (fresher than routing stats)
+    the replicas with room for it and each replica's KV pressure including prompts just admitted."""
     prefix_hashes: tuple[bytes, ...] = ()
     num_prompt_blocks: int = 0
     replicas: tuple[str, ...] = ()
+    pressure: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_token_ids(cls, token_ids: Sequence[int], block_size: int = BLOCK_SIZE,
-                       replicas: Sequence[str] = ()) -> "RoutingHint":
-        return cls(tuple(block_hashes(token_ids, block_size)), num_blocks(len(token_ids), block_size), tuple(replicas))
+    def from_token_ids(cls, token_ids: Sequence[int], block_size: int = BLOCK_SIZE, replicas: Sequence[str] = (),
+                       pressure: dict[str, float] | None = None) -> "RoutingHint":
+        return cls(tuple(block_hashes(token_ids, block_size)), num_blocks(len(token_ids), block_size), tuple(replicas),
+                   dict(pressure or {}))
 
 
 def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None:
@@ -59,9 +63,12 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class Candidate:
+    """`ongoing` (requests at the replica, Ray's fresh count) and `pressure` (admission's) override the
+    slower routing stats when known."""
     replica_id: str
     stats: ReplicaStats | None = None
-    ongoing: int = 0
+    ongoing: int | None = None
+    pressure: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,18 +84,19 @@ class Scored:
 
 def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[bytes], index: PrefixIndex,
                    cfg: RouterConfig, was_saturated: dict[str, bool] | None = None) -> list[Scored]:
-    """Scores, best first. Replicas without stats count as empty but keep the router's in-flight count."""
+    """Scores, best first. Replicas with neither stats nor a pressure count as empty."""
     marks = Watermarks(cfg.high_watermark, cfg.low_watermark)
     was_saturated = was_saturated or {}
     out = []
     for c in candidates:
         s = c.stats
-        pressure = s.pressure(cfg.block_size) if s else 0.0
-        load = max(s.num_running + s.num_waiting if s else 0, c.ongoing)
+        pressure = c.pressure if c.pressure is not None else s.pressure(cfg.block_size) if s else 0.0
+        load = c.ongoing if c.ongoing is not None else s.num_running + s.num_waiting if s else 0
         affinity = index.match(c.replica_id, prefix_hashes) / len(prefix_hashes) if prefix_hashes else 0.0
         headroom = min(1.0, max(0.0, 1.0 - pressure))
         score = cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
-        saturated = marks.saturated(was_saturated.get(c.replica_id, False), pressure) if s else False
+        known = s is not None or c.pressure is not None
+        saturated = marks.saturated(was_saturated.get(c.replica_id, False), pressure) if known else False
         out.append(Scored(c.replica_id, score, affinity, headroom, load, pressure, saturated))
     return sorted(out, key=lambda x: (-x.score, x.load, x.replica_id))
 
@@ -126,21 +134,20 @@ class KVAwareRequestRouter(RequestRouter):
         if not hasattr(self, "config"):
             self.initialize_state()
 
-    def candidates(self, replicas: Sequence[RunningReplica]) -> list[Candidate]:
+    def candidates(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None = None) -> list[Candidate]:
         out = []
-        cache = self.replica_queue_len_cache
+        cache, pressure = self.replica_queue_len_cache, getattr(hint, "pressure", None) or {}
         for r in replicas:
             rid = r.replica_id.unique_id
             raw = r.routing_stats or {}
             stats = ReplicaStats.from_dict({**raw, "replica_id": rid}) if raw.get("kv_blocks_total") else None
-            ongoing = cache.get(r.replica_id)
-            out.append(Candidate(rid, stats, ongoing or 0))
+            out.append(Candidate(rid, stats, cache.get(r.replica_id), pressure.get(rid)))
         return out
 
     def rank(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None) -> list[RunningReplica]:
         self._ensure_state()
         by_id = {r.replica_id.unique_id: r for r in replicas}
-        scored = score_replicas(self.candidates(replicas), hint.prefix_hashes if hint else (), self.index,
+        scored = score_replicas(self.candidates(replicas, hint), hint.prefix_hashes if hint else (), self.index,
                                 self.config, self.saturated)
         self.saturated.update({s.replica_id: s.saturated for s in scored})
         return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
@@ -157,7 +164,9 @@ class KVAwareRequestRouter(RequestRouter):
         self._ensure_state()
         hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request else None
         if hint and hint.prefix_hashes:
-            self.index.record(replica_id.unique_id, hint.prefix_hashes)
+            replica = self.curr_replicas.get(replica_id)
+            capacity = (getattr(replica, "routing_stats", None) or {}).get("kv_blocks_total")
+            self.index.record(replica_id.unique_id, hint.prefix_hashes, capacity)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -137,7 +137,8 @@ class Router:
         d = await self.gate.decide(sum(sizes) * n, max(sizes))
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
-            return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas)
+            return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas,
+                                              self.gate.controller.pressures(self.gate.clock()))
         if d.reason == "prompt_too_large":
             raise APIError(f"the {where} needs {max(sizes)} KV-cache blocks, more than any replica has", param=where)
         if d.reason in ("no_replicas", "stale"):

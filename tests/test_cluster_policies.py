@@ -69,6 +69,8 @@ def test_prefix_index_lru_evicts_deep_blocks_first():
     assert idx.match("a", g) == 2 and idx.match("a", h) == 2  # h's deepest block went first
     idx.retain(["b"])
     assert idx.replicas() == [] and idx.match("a", h) == 0
+    idx.record("c", h, capacity=2)  # the replica's KV cache holds 2 blocks: the rest was evicted there
+    assert idx.size("c") == 2 and idx.match("c", h) == 2
 
 
 # ---------------------------------------------------------------- admission
@@ -306,6 +308,30 @@ def test_router_falls_back_when_preferred_overloaded_vs_least_loaded():
     assert choose(score_replicas(inflight, h, idx, cfg), cfg)[0] == "b"  # router's own in-flight count
 
 
+def test_router_prefers_fresh_pressure_and_ongoing_over_routing_stats():
+    idx = PrefixIndex()
+    h = block_hashes(list(range(64)), 16)
+    idx.record("a", h)
+    stale = [Candidate("a", rs("a", used=95, running=8)), Candidate("b", rs("b", used=10))]
+    assert choose(score_replicas(stale, h, idx, CFG), CFG)[0] == "b"  # a looks full in its old stats
+    fresh = [Candidate("a", rs("a", used=95, running=8), ongoing=1, pressure=0.3),
+             Candidate("b", rs("b", used=10), ongoing=0, pressure=0.1)]
+    scored = score_replicas(fresh, h, idx, CFG)
+    assert choose(scored, CFG)[0] == "a" and scored[0].load == 1 and scored[0].pressure == 0.3
+    hot = [Candidate("a", rs("a", used=10), pressure=0.95), Candidate("b", rs("b", used=50))]
+    assert choose(score_replicas(hot, h, idx, CFG), CFG) == ["b"]  # admission's pressure saturates a
+
+
+def test_admission_pressure_counts_reservations():
+    c = AdmissionController(AdmissionConfig(block_size=16))
+    c.update(rs("a", used=50, waiting=1, waiting_tokens=16 * 10), now=0.0)
+    c.update(rs("b", used=20), now=0.4)
+    assert c.pressure("a") == pytest.approx(0.6)
+    c.reserve("a", 20, now=0.0)
+    assert c.pressure("a") == pytest.approx(0.8)
+    assert c.pressures(now=0.7) == {"b": pytest.approx(0.2)}  # a is stale by then
+
+
 def test_router_all_saturated_least_loaded_and_allowed_first():
     cands = [Candidate("a", rs("a", used=99, running=5)), Candidate("b", rs("b", used=95, running=1))]
     assert choose(score_replicas(cands, (), PrefixIndex(), CFG), CFG) == ["b", "a"]
@@ -361,8 +387,17 @@ def test_kv_aware_request_router_smoke():
     assert asyncio.run(router.choose_replicas(reps, None))[0][0] is reps[0]
     reps[1].routing_stats = es(2, 3)  # above the high watermark: skipped despite affinity
     assert reps[1] not in [r[0] for r in asyncio.run(router.choose_replicas(reps, pr))]
+    pr.kwargs["routing_hint"] = RoutingHint.from_token_ids(list(range(64)), 16, pressure={"r2": 0.2})
+    assert asyncio.run(router.choose_replicas(reps, pr))[0][0] is reps[1]  # admission's fresher view wins
     router.on_replica_actor_died(reps[1].replica_id)
     assert router.index.match("r2", hint.prefix_hashes) == 0 and "r2" not in router.saturated
+    small = FakeReplica("r4", EngineStats(kv_blocks_total=3, kv_blocks_free=3).to_dict())
+
+    async def route_to_small() -> None:
+        router.update_replicas([reps[0], small])
+        router.on_request_routed(pr, small.replica_id, None)
+    asyncio.run(route_to_small())
+    assert router.index.size("r4") == 3  # the index holds no more than the replica's cache
 
 
 # ---------------------------------------------------------------- autoscaling
