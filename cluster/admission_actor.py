@@ -45,7 +45,7 @@ class AdmissionActor:
 class AdmissionClient:
     """Router side: a local controller restored from the actor's snapshot every `refresh_s` in the
     background. `decide` is local; only when it finds no usable replica (startup, a stalled refresh)
-    does it fetch one fresh snapshot before refusing. `get_actor` resolves the actor handle (again
+    does it fetch a fresh snapshot (at most one per `refresh_s`) before refusing. `get_actor` resolves the actor handle (again
     after the actor was recreated)."""
 
     def __init__(self, get_actor: Callable[[], Awaitable[Any]], refresh_s: float = 0.05,
@@ -55,6 +55,7 @@ class AdmissionClient:
         self.refresh_s, self._get_actor, self.clock = refresh_s, get_actor, clock
         self._actor: Any = None
         self._task: asyncio.Task | None = None
+        self.fetched_at = float("-inf")
 
     async def refresh(self) -> dict[str, Any]:
         try:
@@ -64,7 +65,8 @@ class AdmissionClient:
         except Exception:
             self._actor = None
             raise
-        self.controller.restore(snapshot, self.clock())
+        self.fetched_at = self.clock()
+        self.controller.restore(snapshot, self.fetched_at)
         self.snapshot = snapshot
         return snapshot
 
@@ -85,7 +87,7 @@ class AdmissionClient:
         """Admit (reserving the prompt's blocks on the roomiest replica) or refuse."""
         now = self.clock()
         d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
-        if not d.admit and d.reason in ("no_replicas", "stale"):
+        if not d.admit and d.reason in ("no_replicas", "stale") and now - self.fetched_at > self.refresh_s:
             try:
                 await self.refresh()
             except Exception:

@@ -1,10 +1,15 @@
+import math
 import time
 from typing import Any, Callable
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from deployments.protocol import (
-    ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatStreamChoice,
+    APIError, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatStreamChoice,
     CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, DeltaMessage, ErrorInfo, ErrorResponse,
     TokenLogprob, TopLogprob, UsageInfo,
 )
@@ -18,6 +23,34 @@ def sse(obj: BaseModel) -> str:
 
 def sse_error(message: str, type: str = "internal_error", code: int = 500) -> str:
     return sse(ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)))
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))} if e.status in (429, 503) else None
+    return JSONResponse(e.response().model_dump(), status_code=e.status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI error shape; 429/503 carry Retry-After."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+        if err.get("type") == "json_invalid":
+            return error_response(APIError(f"invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}"))
+        loc = [str(x) for x in err["loc"] if x != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        return error_response(APIError(f"{where}: {err['msg']}" if where else str(err["msg"]), param=param))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(str(e.detail), status=e.status_code, type=kind))
 
 
 def merge_deltas(deltas: list[Delta]) -> list[Delta]:

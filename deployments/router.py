@@ -1,17 +1,14 @@
 import asyncio
-import math
 import re
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
 from transformers import AutoTokenizer
 
 from cluster.admission import prometheus_text
@@ -22,38 +19,12 @@ from deployments.metrics import RouterMetrics
 from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
-from deployments.responses import DONE, ResponseBuilder, sse_error
+from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
 from engine import SamplingParams
 from engine.demo import resolve_model
 
 app = FastAPI(title="Conveyor")
-
-
-def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))} if e.status in (429, 503) else None
-    return JSONResponse(e.response().model_dump(), status_code=e.status, headers=headers)
-
-
-@app.exception_handler(APIError)
-async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return error_response(e)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    if err.get("type") == "json_invalid":
-        return error_response(APIError(f"invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}"))
-    loc = [str(x) for x in err["loc"] if x != "body"]
-    param = loc[0] if loc else None
-    where = ".".join(loc)
-    return error_response(APIError(f"{where}: {err['msg']}" if where else str(err["msg"]), param=param))
-
-
-@app.exception_handler(HTTPException)
-async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(str(e.detail), status=e.status_code, type=kind))
+install_error_handlers(app)
 
 
 def cause(e: BaseException) -> BaseException:

@@ -96,6 +96,8 @@ def test_burst_gets_429_and_every_admitted_request_completes(cluster: SimpleName
         snap = http.get("/v1/cluster").json()
         assert snap["totals"]["replicas"] == 1 and snap["replicas"][0]["kv_blocks_total"] == 24
         assert snap["replicas"][0]["kv_blocks_free"] == 24 and snap["totals"]["admitting"] == 1
+        r = http.post("/v1/completions", json={"prompt": tokens(rng, 400), "max_tokens": 8})  # 25 blocks > 24
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "KV-cache" in r.text
         metrics = http.get("/metrics").text
         assert 'conveyor_admission_decisions_total{admitted="false",reason=' in metrics
         assert f'conveyor_admission_decisions_total{{admitted="true",reason="ok"}} {codes.count(200) + 3}.0' in metrics

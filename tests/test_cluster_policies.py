@@ -244,6 +244,9 @@ def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
         d = await client.decide(4)
         assert (d.admit, d.reason) == (False, "no_replicas") and len(actors) == 1  # looked once more, still none
         body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        assert (await client.decide(4)).reason == "no_replicas"  # looked just now: no second fetch
+        clock[0] = 0.1
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
         d = await client.decide(4)  # no refresh ran since: decide fetches one snapshot before refusing
         assert d.admit and d.replicas == ["r"]
         assert (await client.decide(4)).admit
@@ -252,7 +255,7 @@ def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
         actors[-1].dead = True
         with pytest.raises(RuntimeError):
             await client.refresh()
-        clock[0] = 0.4
+        clock[0] = 0.5
         body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
         await client.refresh()  # a new handle; stats received 0.4 s after the reservations settle them
         assert len(actors) == 2 and client.controller.room("r") == 10

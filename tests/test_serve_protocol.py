@@ -146,7 +146,7 @@ def test_router_error_handlers() -> None:
         CompletionRequest.model_validate({"prompt": "x", "temperature": -1})
     except ValidationError as e:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-    resp = asyncio.run(router._validation_error(None, RequestValidationError(errors)))
+    resp = asyncio.run(router.app.exception_handlers[RequestValidationError](None, RequestValidationError(errors)))
     body = json.loads(resp.body)
     assert resp.status_code == 400 and body["error"]["param"] == "temperature"
     assert set(body["error"]) == {"message", "type", "param", "code"}
@@ -162,7 +162,14 @@ def test_app_args_fail_naming_the_field() -> None:
     for bad, field in [({"num_replicas": 0}, "num_replicas"), ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
                        ({"engine": {"bogus": 1}}, "engine.bogus"), ({"model": "no/such/dir"}, "model"),
                        ({"replicas": 2}, "replicas"), ({"port": 70000}, "port"),
-                       ({"autoscaling": {"max_replicas": 0}}, "max_replicas")]:
+                       ({"autoscaling": {"max_replicas": 0}}, "max_replicas"),
+                       ({"admission": {"bogus": 1}}, "admission.bogus"),
+                       ({"admission": {"high_watermark": 0.5, "low_watermark": 0.8}}, "admission"),
+                       ({"request_router": {"affinity": 1}}, "request_router.affinity"),
+                       ({"kv_autoscaling": {"policy": {"tolerance": 2}}}, "kv_autoscaling.policy"),
+                       ({"kv_autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "kv_autoscaling.max_replicas"),
+                       ({"kv_autoscaling": {}, "autoscaling": {"max_replicas": 2}}, "autoscaling"),
+                       ({"stats_push_s": 0.5}, "stats_push_s")]:
         with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
             build(app.build_app, bad)
 
@@ -179,3 +186,24 @@ def test_replica_placement() -> None:
     tp = app.AppArgs(engine={"tensor_parallel_size": 2, "device": "cuda"}).replica_options()
     assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
     assert tp["ray_actor_options"]["num_gpus"] == 0
+
+
+def test_cluster_layer_options() -> None:
+    app = pytest.importorskip("deployments.app")
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from cluster.autoscaling import KVCacheAutoscalingPolicy
+    opts = app.AppArgs(engine={"block_size": 32}, request_router={"affinity_weight": 2.0},
+                       kv_autoscaling={"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2,
+                                       "policy": {"target_kv_utilization": 0.6, "downscale_delay_s": 9}}).replica_options()
+    scaling = opts["autoscaling_config"]
+    assert opts["num_replicas"] == "auto" and (scaling.min_replicas, scaling.max_replicas) == (1, 3)
+    assert scaling.upscale_delay_s == scaling.downscale_delay_s == 0  # the policy's own delays apply instead
+    policy = _resolve_policy_callable(scaling.policy)
+    assert isinstance(policy, KVCacheAutoscalingPolicy) and policy.config.target_kv_utilization == 0.6
+    router = opts["request_router_config"]
+    assert router.request_router_class == "cluster.routing:KVAwareRequestRouter"
+    assert router.request_router_kwargs == {"affinity_weight": 2.0, "block_size": 32}
+    (actor,) = opts["deployment_actors"]
+    assert actor.name == "admission" and actor.init_kwargs == {"config": {"block_size": 32}}
+    bare = app.AppArgs(admission=None, request_router=None).replica_options()
+    assert "request_router_config" not in bare and "deployment_actors" not in bare and bare["num_replicas"] == 1
