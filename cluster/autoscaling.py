@@ -5,10 +5,14 @@ raised to ceil(n * mean_waiting / target_waiting_per_replica) when queues are lo
 must persist for its delay before it is taken; min/max bound the result. n = replicas that
 reported metrics; while replicas are still starting (n < current) it never scales down.
 
-Replica side: `def record_autoscaling_stats(self) -> dict[str, float]: return
-autoscaling_metrics(engine.stats())`. Deployment side: `autoscaling_config.policy =
+Replica side: `record_autoscaling_stats` returns at least `autoscaling_metrics(engine.stats())`.
+Deployment side (AppArgs.kv_autoscaling builds it): `autoscaling_config.policy =
 {policy_function: "cluster.autoscaling:KVCacheAutoscalingPolicy", policy_kwargs: {...}}`, where
 policy_kwargs are `KVScalingConfig` fields except min/max (those come from the autoscaling_config).
+Ray 2.60 wraps the policy in its own upscale/downscale delays (defaults 30 s / 600 s): set them to 0.
+Replicas push these metrics every `autoscaling_config.metrics_interval_s` (default 10 s; the
+RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables are defined but not read in 2.60). The
+policy runs in the Serve controller, which receives this module by value: it imports no torch.
 """
 from dataclasses import dataclass, replace
 import math

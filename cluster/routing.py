@@ -8,8 +8,12 @@ Wiring (Ray Serve 2.60):
   Ray's controller polls it and hands it to the router as `RunningReplica.routing_stats`.
 - Caller (router deployment): pass a `RoutingHint` as the keyword argument `routing_hint` of the
   handle call, e.g. `handle.generate.remote(request, routing_hint=RoutingHint.from_token_ids(ids,
-  16, replicas=tuple(decision.replicas)))`. The replica method must accept (and may ignore)
-  `routing_hint`. A positional `RoutingHint` argument is found too. No hint: load-only routing.
+  16, decision.replicas, admission.pressures(now)))`. The replica method must accept (and may
+  ignore) `routing_hint`. A positional hint is found too. No hint: load-only routing. Ray ships
+  this module to the caller's process by value, so hints are recognised by shape, not class.
+- Load is Ray's own in-flight count per replica (fresh) when known, else the routing stats (up to
+  a period old); KV pressure is admission's (fresher, counts just-admitted prompts) when the hint
+  carries it, else the routing stats'.
 - Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
   admission (`serve.get_replica_context().replica_id.unique_id`).
 - The prefix index learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted
