@@ -30,6 +30,8 @@ class AdmissionConfig:
     drop_after_s: float = 10.0
     retry_after_s: float = 1.0
     settle_s: float = 0.3
+    queue_timeout_s: float = 0.0
+    max_queued: int = 0
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
 
@@ -37,6 +39,7 @@ class AdmissionConfig:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
         assert 0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"
         assert self.settle_s >= 0.0 and self.retry_after_s >= 0.0 and self.block_size >= 1
+        assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
 
     @property
     def watermarks(self) -> Watermarks:

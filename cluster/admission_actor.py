@@ -44,9 +44,10 @@ class AdmissionActor:
 
 class AdmissionClient:
     """Router side: a local controller restored from the actor's snapshot every `refresh_s` in the
-    background. `decide` is local; only when it finds no usable replica (startup, a stalled refresh)
-    does it fetch a fresh snapshot (at most one per `refresh_s`) before refusing. `get_actor` resolves the actor handle (again
-    after the actor was recreated)."""
+    background. `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
+    snapshot (at most one per `refresh_s`) before refusing; when replicas are full, up to
+    `max_queued` requests wait (FIFO, re-deciding on each refresh) up to `queue_timeout_s` for room.
+    `get_actor` resolves the actor handle (again after the actor was recreated)."""
 
     def __init__(self, get_actor: Callable[[], Awaitable[Any]], refresh_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic):
@@ -56,6 +57,8 @@ class AdmissionClient:
         self._actor: Any = None
         self._task: asyncio.Task | None = None
         self.fetched_at = float("-inf")
+        self.queued = 0
+        self._refreshed = asyncio.Event()
 
     async def refresh(self) -> dict[str, Any]:
         try:
@@ -68,6 +71,8 @@ class AdmissionClient:
         self.fetched_at = self.clock()
         self.controller.restore(snapshot, self.fetched_at)
         self.snapshot = snapshot
+        event, self._refreshed = self._refreshed, asyncio.Event()
+        event.set()
         return snapshot
 
     async def _run(self) -> None:
@@ -94,6 +99,19 @@ class AdmissionClient:
                 return d
             now = self.clock()
             d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
+        cfg = self.controller.config
+        if not d.admit and d.reason in ("saturated", "no_room") and self.queued < cfg.max_queued:
+            deadline, self.queued = now + cfg.queue_timeout_s, self.queued + 1
+            try:
+                while not d.admit and (left := deadline - self.clock()) > 0:
+                    try:
+                        await asyncio.wait_for(self._refreshed.wait(), left)
+                    except asyncio.TimeoutError:
+                        pass
+                    now = self.clock()
+                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
+            finally:
+                self.queued -= 1
         if d.admit:
             self.controller.reserve(d.replicas[0], num_prompt_blocks, now)
         return d

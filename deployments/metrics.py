@@ -26,6 +26,7 @@ class RouterMetrics:
                                  buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
         self.admission = Counter("conveyor_admission_decisions", "Admission decisions by outcome and reason",
                                  ["admitted", "reason"], registry=r)
+        self.queued = Gauge("conveyor_admission_queued", "Requests waiting for KV room at this router", registry=r)
         self.replica = {k: Gauge(f"conveyor_{k}", v, ["replica"], registry=r) for k, v in REPLICA_GAUGES.items()}
 
     def record_replica(self, replica: str, stats: dict[str, Any]) -> None:

@@ -54,6 +54,7 @@ class Router:
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if admission else None
         if self.gate is not None:
             self.gate.start()
+            self.metrics.queued.set_function(lambda: self.gate.queued)
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:

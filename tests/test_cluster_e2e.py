@@ -1,4 +1,4 @@
-"""The cluster layer end to end over real Ray Serve on CPU: admission under a burst, KV autoscaling
+"""The cluster layer end to end over real Ray Serve on CPU: admission under a burst (429s, then a wait queue), KV autoscaling
 1 -> 2 -> 1, prefix affinity of the KV-aware router against Ray's power-of-two router. One Ray cluster
 for the module; each test deploys its own apps and deletes them."""
 import asyncio
@@ -62,7 +62,7 @@ async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
 
-def test_burst_gets_429_and_every_admitted_request_completes(cluster: SimpleNamespace) -> None:
+def test_burst_gets_429_or_waits_in_queue_and_every_admitted_request_completes(cluster: SimpleNamespace) -> None:
     run_apps(burst={"engine": {**ENGINE, "num_blocks": 24, "max_num_seqs": 4}, "num_replicas": 1})
     url, http = f"{cluster.url}/burst", httpx.Client(base_url=f"{cluster.url}/burst", timeout=60)
     try:
@@ -102,6 +102,13 @@ def test_burst_gets_429_and_every_admitted_request_completes(cluster: SimpleName
         assert 'conveyor_admission_decisions_total{admitted="false",reason=' in metrics
         assert f'conveyor_admission_decisions_total{{admitted="true",reason="ok"}} {codes.count(200) + 3}.0' in metrics
         assert "conveyor_cluster_kv_blocks_free 24.0" in metrics and "conveyor_replica_saturated{replica=" in metrics
+        actor = replica.admission.remote().result()  # the same burst, now with a wait queue at the router
+        ray.get(actor.configure.remote({"queue_timeout_s": 60.0, "max_queued": 64}))
+        time.sleep(0.5)
+        resps = asyncio.run(post_all(url, bodies))
+        assert [r.status_code for r in resps] == [200] * len(bodies)
+        assert all(r.json()["usage"]["completion_tokens"] == 32 for r in resps)
+        eventually(idle, 10, "the block pool is whole again after the queued burst")
     finally:
         serve.delete("burst")
 

@@ -1,5 +1,6 @@
 """Cluster policies without a Ray cluster: admission, routing, autoscaling, and their thin adapters."""
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -260,6 +261,37 @@ def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
         await client.refresh()  # a new handle; stats received 0.4 s after the reservations settle them
         assert len(actors) == 2 and client.controller.room("r") == 10
         assert client.snapshot["totals"]["replicas"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_admission_client_bounded_wait_queue():
+    body = AdmissionActor({"queue_timeout_s": 5.0, "max_queued": 1})
+
+    def report(free: int) -> None:
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=free).to_dict(), "replica_id": "r"})
+
+    async def get_actor() -> FakeActor:
+        return FakeActor(body)
+
+    async def scenario() -> None:
+        client = AdmissionClient(get_actor)
+        report(0)
+        await client.refresh()
+        waiter = asyncio.create_task(client.decide(4))
+        await asyncio.sleep(0.01)
+        assert client.queued == 1 and not waiter.done()
+        assert (await client.decide(4)).reason == "saturated"  # the queue is full: refused at once
+        report(10)
+        await client.refresh()
+        d = await asyncio.wait_for(waiter, 1.0)
+        assert d.admit and client.queued == 0 and client.controller.room("r") == 6
+        body.configure({"queue_timeout_s": 0.1})
+        report(0)
+        await client.refresh()
+        start = time.monotonic()
+        d = await client.decide(4)  # nobody frees room: refused at the deadline
+        assert d.reason == "saturated" and 0.1 <= time.monotonic() - start < 1.0 and client.queued == 0
 
     asyncio.run(scenario())
 
