@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="alternate the policies N times, keep each one's best")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,7 +57,12 @@ def main() -> None:
     print(f"{'model':<12}{'dtype':<10}{'policy':<12}{'tok/s':>9}{'steps':>7}{'seconds':>9}{'ratio':>8}")
     for model in args.models:
         for dtype in args.dtypes:
-            rows = {p: measure(model, dtype, p, args.num_requests, args.seed) for p in ("continuous", "static")}
+            rows: dict[str, dict] = {}
+            for _ in range(args.repeats):
+                for p in ("continuous", "static"):
+                    r = measure(model, dtype, p, args.num_requests, args.seed)
+                    if p not in rows or r["tok_per_s"] > rows[p]["tok_per_s"]:
+                        rows[p] = r
             ratio = rows["continuous"]["tok_per_s"] / rows["static"]["tok_per_s"]
             for p, r in rows.items():
                 tail = f"{ratio:>8.2f}" if p == "continuous" else ""
