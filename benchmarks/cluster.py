@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.sse import read_completion_stream
+
 ROUTERS = {"kv": "KV-aware (prefix + KV headroom + queue)", "p2c": "Ray default (power of two)"}
 
 
@@ -40,21 +42,13 @@ async def one(client: httpx.AsyncClient, app: str, prompt: list[int], max_tokens
             "stream_options": {"include_usage": True}}
     refused, start = 0, time.perf_counter()
     while True:
-        ttft, tokens = None, 0
         async with client.stream("POST", f"/{app}/v1/completions", json=body) as r:
             if r.status_code == 429:
                 refused += 1
                 await asyncio.sleep(float(r.headers.get("retry-after", 1)))
                 continue
             r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                elif ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                    ttft = time.perf_counter() - start
+            ttft, tokens = await read_completion_stream(r, start)
         return ttft if ttft is not None else time.perf_counter() - start, tokens, refused
 
 

@@ -19,8 +19,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/kernels.py shadows kernels/
+sys.path.insert(0, str(HERE.parent))
 import httpx  # noqa: E402
 import torch  # noqa: E402
+
+from benchmarks.sse import read_completion_stream  # noqa: E402
 
 
 def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -75,17 +78,9 @@ async def http_request(client: httpx.AsyncClient, prompt: list[int], max_tokens:
         r = await client.post("/v1/completions", json=body)
         r.raise_for_status()
         return None, replica_ms(r), r.json()["usage"]["completion_tokens"]
-    ttft, tokens = None, 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                ttft = time.perf_counter() - start
+        ttft, tokens = await read_completion_stream(r, start)
     return ttft, replica_ms(r), tokens
 
 

@@ -1,5 +1,6 @@
 """Offline batch generation, vLLM-compatible in shape: LLM(model).generate(prompts, params)."""
 import itertools
+from dataclasses import fields
 
 from tqdm import tqdm
 
@@ -77,7 +78,6 @@ class LLM:
 
 
 def _sub_params(p: SamplingParams, j: int) -> SamplingParams:
-    from dataclasses import fields, replace
     kwargs = {f.name: getattr(p, f.name) for f in fields(p) if f.init}
     kwargs.update(n=1, seed=None if p.seed is None else p.seed + j)
     return SamplingParams(**kwargs)

@@ -1,7 +1,6 @@
 import json
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from torch import nn
 

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
 from engine.loader import load_weights
 from engine.models.llama import LlamaForCausalLM, head_dim_of
-from engine.parallel import tp_rank, tp_size
+from engine.parallel import tp_rank
 from engine.sampler import SamplingBatch, sample
 from engine.sampling_params import SamplingParams
 from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput

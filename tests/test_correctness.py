@@ -2,7 +2,7 @@
 scheduling: chunked prefill, preemption, static batching, prefix-cache hits."""
 import pytest
 
-from tests.helpers import PROMPTS, assert_no_leak, engine_greedy, hf_greedy, prompt_ids
+from tests.helpers import assert_no_leak, engine_greedy, hf_greedy, prompt_ids
 
 MAX_TOKENS = 24
 MODELS = [f"demo:{arch}-tiny{tied}" for arch in ("llama", "mistral", "qwen2", "qwen3") for tied in ("", "-tied")]

@@ -1,5 +1,4 @@
 """Property tests of scheduler + block pool with random arrivals, lengths and aborts."""
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.block_manager import BlockManager
