@@ -1,10 +1,19 @@
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+"""Conveyor's engine. Names load lazily so light modules (engine.stats, engine.prefix_hash, ...)
+can be imported by the HTTP edge and the cluster layer without pulling in torch."""
+from importlib import import_module
+from typing import Any
 
-__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine",
-           "RequestMetrics", "RequestOutput", "SamplingParams"]
+_EXPORTS = {"AsyncEngine": "engine.async_engine", "EngineConfig": "engine.config", "LLM": "engine.llm",
+            "LLMEngine": "engine.llm_engine", "CompletionOutput": "engine.outputs",
+            "RequestMetrics": "engine.outputs", "RequestOutput": "engine.outputs",
+            "SamplingParams": "engine.sampling_params", "EngineStats": "engine.stats"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
