@@ -60,17 +60,21 @@ class EngineConfig:
         if self.swap_space < 0 or self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 0:
             _fail("swap_space", "long_prefill_token_threshold and max_num_partial_prefills must be >= 0")
         choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),
-                   "attention_backend": ("auto", "torch", "triton"), "device": ("auto", "cpu", "cuda"),
+                   "attention_backend": ("auto", "torch", "cpu", "triton"), "device": ("auto", "cpu", "cuda"),
                    "dtype": ("auto", *DTYPES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device == "cuda" else "torch"
         if self.hf_config is None:
             self._load_model_config()
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else self._cpu_backend()
+
+    def _cpu_backend(self) -> str:
+        from kernels import cpu_ops
+        return "cpu" if self.dtype in ("float32", "bfloat16") and cpu_ops.load() is not None else "torch"
 
     def _load_model_config(self) -> None:
         from engine.demo import resolve_model

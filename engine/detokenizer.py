@@ -1,3 +1,4 @@
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling_params import SamplingParams
@@ -14,6 +15,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = 0
         self.text = ""
         self.holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if self.backend else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens,
@@ -22,19 +25,29 @@ class IncrementalDetokenizer:
     def add(self, token_id: int, num_output_tokens: int) -> str | None:
         """Append one token; returns the stop string that ended the text, if any."""
         self.token_ids.append(token_id)
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return None
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if self.stream is not None:
+            new = self.stream.step(self.backend, token_id)  # None while a UTF-8 sequence is incomplete
+            if not new:
+                return None
+            self.read_offset = len(self.token_ids)
+        else:
+            prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.token_ids[self.prefix_offset:])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return None
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            new = full[len(prefix):]
         old_len = len(self.text)
-        self.text += full[len(prefix):]
+        self.text += new
         if num_output_tokens < self.params.min_tokens:
             return None
         return self._find_stop(old_len)
 
     def flush(self) -> None:
-        if self.read_offset < len(self.token_ids):
+        if self.read_offset < len(self.token_ids) and self.stream is not None:
+            self.text += self._decode(self.token_ids[self.read_offset:])
+            self.read_offset = len(self.token_ids)
+        elif self.read_offset < len(self.token_ids):
             prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
             self.text += self._decode(self.token_ids[self.prefix_offset:])[len(prefix):]
             self.read_offset = len(self.token_ids)

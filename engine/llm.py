@@ -15,6 +15,7 @@ Prompt = str | dict
 class LLM:
     def __init__(self, model: str = "demo:tiny", **options: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self.engine.stream_outputs = False
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

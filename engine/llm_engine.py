@@ -37,6 +37,7 @@ class LLMEngine:
         self.logprobs: dict[str, list[dict[int, float]]] = {}
         self.prompts: dict[str, str | None] = {}
         self.num_finished = self.num_aborted = 0
+        self.stream_outputs = True  # False: step() returns finished requests only (offline generate)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -97,7 +98,8 @@ class LLMEngine:
                 stop = detok.add(seq.output_token_ids[i], i + 1)
                 if stop is not None and not seq.is_finished:
                     self.scheduler.finish(seq, "stop", stop)
-            outputs.append(self._output(seq))
+            if self.stream_outputs or seq.is_finished:
+                outputs.append(self._output(seq))
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:

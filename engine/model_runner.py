@@ -10,6 +10,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.loader import load_weights
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel import tp_rank
+from engine.persistent_batch import PersistentBatch
 from engine.sampler import SamplingBatch, sample
 from engine.sampling_params import SamplingParams
 from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
@@ -22,7 +23,6 @@ log = logging.getLogger("conveyor")
 class RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    block_ids: list[int]
     params: SamplingParams
     stop_ids: list[int]
     generator: torch.Generator | None
@@ -50,6 +50,8 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
         self.vocab_size = hf.vocab_size
         self.requests: dict[str, RequestState] = {}
+        self.batch = PersistentBatch(-(-config.max_model_len // config.block_size), self.vocab_size)
+        self.special: set[str] = set()  # requests the sampler must treat one by one (penalties, seeds, ...)
         self.kv_cache = torch.empty(0)
         self.cpu_cache = torch.empty(0)
 
@@ -76,9 +78,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         chunk = ScheduledChunk("profile", [0] * n, 0, list(range(blocks)), True, True)
-        self.requests["profile"] = RequestState([0] * n, [], [], SamplingParams(), [], None)
-        self.execute_model(SchedulerOutput(chunks=[chunk], finished_req_ids=[]))
+        self.execute_model(SchedulerOutput([NewRequestData("profile", [0] * n, SamplingParams(), [])], [chunk]))
         self.requests.clear()
+        self.batch.remove("profile")
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
@@ -108,12 +110,18 @@ class ModelRunner:
         gen = None
         if r.params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(r.params.seed)
-        self.requests[r.req_id] = RequestState(r.prompt_token_ids, [], [], r.params, r.stop_ids_for_min_tokens, gen)
+        self.requests[r.req_id] = RequestState(r.prompt_token_ids, [], r.params, r.stop_ids_for_min_tokens, gen)
+        self.batch.add(r.req_id, r.params)
+        p = r.params
+        if p.has_penalties or gen is not None or p.logprobs is not None or (p.min_tokens and r.stop_ids_for_min_tokens):
+            self.special.add(r.req_id)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.batch.remove(rid)
+            self.special.discard(rid)
         for r in so.new_requests:
             self._add_request(r)
         self.swap_blocks(so.swap_out, to_cpu=True)
@@ -122,19 +130,24 @@ class ModelRunner:
             return ModelRunnerOutput([], [], []) if self.rank == 0 else None
         chunks = sorted(so.chunks, key=lambda c: len(c.token_ids) > 1)
         for c in chunks:
-            state = self.requests[c.req_id]
-            state.block_ids = list(c.new_block_ids) if c.reset_blocks else state.block_ids + c.new_block_ids
+            if c.new_block_ids or c.reset_blocks:
+                self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
         input_ids, positions, meta, sample_idx = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[sample_idx])
+        sampled = [c.req_id for c in chunks if c.sample]
+        batch = self._sampling_batch(sampled) if self.rank == 0 else None
+        tokens, logprobs = self._run(input_ids, positions, meta, sample_idx, batch)
         if self.rank != 0:
             return None
-        sampled = [c.req_id for c in chunks if c.sample]
-        tokens, logprobs = sample(logits, self._sampling_batch(sampled))
         tokens = tokens.tolist()
         for rid, tok in zip(sampled, tokens):
             self.requests[rid].output_token_ids.append(tok)
         return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+             sample_idx: torch.Tensor, batch: SamplingBatch | None) -> tuple[torch.Tensor, list | None]:
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[sample_idx])
+        return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
     def _prepare(self, chunks: list[ScheduledChunk]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -142,11 +155,7 @@ class ModelRunner:
         q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
         starts = np.array([c.start for c in chunks], dtype=np.int64)
         seq_lens = starts + q_lens
-        tables = [self.requests[c.req_id].block_ids for c in chunks]
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(chunks), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
+        block_tables = self.batch.block_tables(self.batch.index([c.req_id for c in chunks]))
         cu = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
@@ -168,39 +177,44 @@ class ModelRunner:
             prefill_block_tables=t(block_tables[nd:]), prefill_seq_lens=t(seq_lens[nd:].astype(np.int32)),
             prefill_query_start_loc=t(pre_cu.astype(np.int32)),
             prefill_max_query_len=int(q_lens[nd:].max()) if nd < len(chunks) else 0,
-            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < len(chunks) else 0)
+            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < len(chunks) else 0,
+            block_tables=t(block_tables), seq_lens=t(seq_lens.astype(np.int32)), query_start_loc=t(cu.astype(np.int32)))
         return t(input_ids), t(positions), meta, t(sample_idx)
 
     def _sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
-        states = [self.requests[r] for r in req_ids]
-        params = [s.params for s in states]
-        dev, n = self.device, len(states)
+        rows = self.batch.index(req_ids)
+        dev, n, b = self.device, len(req_ids), self.batch
 
-        def col(values: list[float], skip: float) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=torch.float32, device=dev) if any(v != skip for v in values) else None
+        def col(values: np.ndarray, off: float) -> torch.Tensor | None:
+            return torch.from_numpy(values).to(dev) if (values != off).any() else None
 
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        penalties = any(p.has_penalties for p in params)
-        counts = prompt_mask = None
+        temperature, top_k = b.temperature[rows], b.top_k[rows]
+        special = [(i, self.requests[r]) for i, r in enumerate(req_ids) if r in self.special]
+        penalties = [(i, s) for i, s in special if s.params.has_penalties]
+        pen: dict[str, torch.Tensor | None] = dict.fromkeys(
+            ("output_counts", "prompt_mask", "repetition_penalty", "frequency_penalty", "presence_penalty"))
         if penalties:
-            counts = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=dev)
-            prompt_mask = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
-            for i, s in enumerate(states):
+            pen["output_counts"] = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=dev)
+            pen["prompt_mask"] = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
+            for i, s in penalties:
                 if s.output_token_ids:
-                    ids = torch.tensor(s.output_token_ids, device=dev)
-                    counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
-                prompt_mask[i, torch.tensor(s.prompt_token_ids, device=dev)] = True
-        banned = [(i, tok) for i, s in enumerate(states)
-                  if len(s.output_token_ids) < s.params.min_tokens for tok in s.stop_ids]
-        rows, toks = (torch.tensor(x, device=dev) for x in zip(*banned)) if banned else (None, None)
+                    pen["output_counts"][i].index_add_(0, torch.tensor(s.output_token_ids, device=dev),
+                                                       torch.ones(len(s.output_token_ids), device=dev))
+                pen["prompt_mask"][i, torch.tensor(s.prompt_token_ids, device=dev)] = True
+            for name, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+                values = torch.full((n,), neutral, dtype=torch.float32, device=dev)
+                for i, s in penalties:
+                    values[i] = getattr(s.params, name)
+                pen[name] = values
+            if bool((pen["repetition_penalty"] == 1.0).all()):
+                pen["repetition_penalty"] = None
+        banned = [(i, tok) for i, s in special if len(s.output_token_ids) < s.params.min_tokens for tok in s.stop_ids]
+        banned_rows, banned_tokens = (torch.tensor(x, device=dev) for x in zip(*banned)) if banned else (None, None)
+        num_logprobs: list[int | None] = [None] * n
+        for i, s in special:
+            num_logprobs[i] = s.params.logprobs
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            all_greedy=all(p.greedy for p in params),
-            top_k=torch.tensor(top_k, device=dev) if any(k < self.vocab_size for k in top_k) else None,
-            top_p=col([p.top_p for p in params], 1.0), min_p=col([p.min_p for p in params], 0.0),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            repetition_penalty=col([p.repetition_penalty for p in params], 1.0) if penalties else None,
-            frequency_penalty=torch.tensor([p.frequency_penalty for p in params], device=dev) if penalties else None,
-            presence_penalty=torch.tensor([p.presence_penalty for p in params], device=dev) if penalties else None,
-            output_counts=counts, prompt_mask=prompt_mask, banned_rows=rows, banned_tokens=toks,
-            num_logprobs=[p.logprobs for p in params])
+            temperature=torch.from_numpy(temperature).to(dev), all_greedy=bool((temperature < 1e-5).all()),
+            top_k=col(top_k, self.vocab_size), top_p=col(b.top_p[rows], 1.0), min_p=col(b.min_p[rows], 0.0),
+            generators={i: s.generator for i, s in special if s.generator is not None},
+            banned_rows=banned_rows, banned_tokens=banned_tokens, num_logprobs=num_logprobs, **pen)

@@ -10,6 +10,10 @@ from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, Sched
 from engine.watermark import Watermark
 
 
+def _run_order(seq: Sequence) -> tuple:
+    return seq.priority, seq.arrival_time
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: BlockManager, eos_token_ids: set[int]) -> None:
         self.config = config
@@ -60,18 +64,20 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_for_runner)
         self.finished_for_runner = []
         chunks: dict[str, ScheduledChunk] = {}
-        self.running.sort(key=lambda s: (s.priority, s.arrival_time))
-        live = [s for s in self.running if s.held_finish is None]
-        held = [s for s in self.running if s.held_finish is not None]
+        self.running.sort(key=_run_order)
+        held = [s for s in self.running if s.held_finish is not None] if self.config.scheduling_policy == "static" else []
+        live = [s for s in self.running if s.held_finish is None] if held else list(self.running)
         budget, partials, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
         self.watermark.observe(preempted)
         if not preempted:
             budget, partials = self._admit(out, chunks, budget, partials)
         self._schedule_running(held, out, chunks, budget, partials, may_preempt=False)
+        now = time.monotonic()
         for c in chunks.values():
             seq = self.requests[c.req_id]
             seq.num_computed_tokens += len(c.token_ids)
-            seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         out.chunks = list(chunks.values())
         return out
 
@@ -81,7 +87,8 @@ class Scheduler:
         for seq in seqs:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = self._chunk(seq, budget, partials)
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            n = 1 if left == 1 and budget > 0 else self._chunk(seq, budget, partials)
             if n == 0 or (seq.held_finish is not None and seq.num_tokens >= self.config.max_model_len):
                 continue
             while (ids := self.kv.allocate(seq, n)) is None and may_preempt:
@@ -191,10 +198,11 @@ class Scheduler:
             seq = self.requests.get(rid)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.append_token(token)
+            seq.token_ids.append(token)
             if seq.held_finish is not None:
                 continue
-            seq.first_token_time = seq.first_token_time or now
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             self._check_stop(seq, token)
             changed.append(seq)
         self._release_static_batch()
@@ -202,13 +210,14 @@ class Scheduler:
         return list(dict.fromkeys(changed + released))
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        p, num_tokens = seq.params, len(seq.token_ids)
+        num_output = num_tokens - len(seq.prompt_token_ids)
+        if num_output >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
                 return self.finish(seq, "stop")
             if token in p.stop_token_ids:
                 return self.finish(seq, "stop", token)
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_output >= p.max_tokens or num_tokens >= self.config.max_model_len:
             self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, hold: bool = True) -> None:

@@ -12,7 +12,7 @@ class NewRequestData:
     stop_ids_for_min_tokens: list[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     req_id: str
     token_ids: list[int]

@@ -1,6 +1,8 @@
-"""Paged-attention kernels. Every op has the same signature in both backends:
-`kernels.reference` (pure torch, the CPU path and the test oracle) and `kernels.triton_ops`."""
+"""Paged-attention kernels. Every op has the same signature in every backend: `kernels.reference`
+(pure torch, the test oracle and the fallback), `kernels.cpu_ops` (C++, the CPU path) and
+`kernels.triton_ops` (the GPU path)."""
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
 
 
@@ -10,6 +12,8 @@ class AttentionOps:
     store_kv_cache: Callable
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
+    paged_attention: Callable | None = None  # decodes and prefills of a step in one call
+    fused: ModuleType | None = None  # rms_norm_, silu_and_mul, rotary_embedding_ (C++ CPU kernels)
 
 
 def attention_ops(backend: str) -> AttentionOps:
@@ -17,7 +21,13 @@ def attention_ops(backend: str) -> AttentionOps:
         from kernels import reference as mod
     elif backend == "triton":
         from kernels import triton_ops as mod
+    elif backend == "cpu":
+        from kernels import cpu_ops as mod
+        if mod.load() is None:
+            raise ValueError("attention_backend 'cpu' needs the C++ CPU kernels, which cannot be built here")
+        return AttentionOps(backend, mod.store_kv_cache, mod.paged_decode_attention, mod.paged_prefill_attention,
+                            mod.paged_attention, mod.load())
     else:
-        raise ValueError(f"attention_backend must be 'torch' or 'triton', got {backend!r}")
+        raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {backend!r}")
     return AttentionOps(backend, mod.store_kv_cache, mod.paged_decode_attention,
                         mod.paged_prefill_attention)

@@ -20,6 +20,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor
     prefill_max_query_len: int
     prefill_max_seq_len: int
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -37,6 +40,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         ops, kc, vc = self.ops, self.k_cache, self.v_cache
         ops.store_kv_cache(k, v, kc, vc, meta.slot_mapping)
+        if ops.paged_attention is not None:
+            return ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
         d = meta.num_decodes
         if d == q.shape[0]:
             return ops.paged_decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_seq_lens,

@@ -1,3 +1,5 @@
+from types import ModuleType
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -14,8 +16,10 @@ def _rope_parameters(config: PretrainedConfig) -> dict:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a cos/sin table over every position, built like transformers'."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int,
+                 fused: ModuleType | None = None) -> None:
         super().__init__()
+        self.fused = fused if head_dim % 32 == 0 else None
         params = _rope_parameters(config)
         if params["rope_type"] == "default":
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -36,6 +40,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, d], k: [T, kv_heads, d]."""
+        if self.fused is not None:
+            self.fused.rotary_embedding_(positions, q, k, self.cos, self.sin)  # in place on this step's q, k
+            return q, k
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,74 @@
+"""Host-side cost of one engine step with the model taken out (a null model that "samples" a fixed
+token without running a layer): scheduler, KV bookkeeping, batch preparation, sampling columns,
+update and output handling, at 32..256 running sequences in steady decode.
+`python -m benchmarks.step_overhead --seqs 32 64 128 256`."""
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def null_run(vocab: int):
+    def run(input_ids, positions, meta, sample_idx, batch):
+        return (input_ids[sample_idx] * 31 + 7) % (vocab - 10) + 5, None
+    return run
+
+
+def timed(phases: dict[str, list[float]], name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name].append(time.perf_counter() - start)
+    return wrapper
+
+
+def measure(seqs: int, prompt_len: int, steps: int) -> dict[str, float]:
+    llm = LLM("demo:tiny", dtype="float32", max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * prompt_len),
+              num_blocks=seqs * (prompt_len + steps + 64) // 16 + 16, enable_prefix_caching=True)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    runner._run = null_run(engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(seqs):
+        engine.add_request(str(i), [(i * 7 + j) % 1000 + 5 for j in range(prompt_len)], params)
+    engine.step()  # every prompt in one prefill step
+    phases: dict[str, list[float]] = defaultdict(list)
+    sched = engine.scheduler
+    sched.schedule = timed(phases, "schedule", sched.schedule)
+    sched.update = timed(phases, "update", sched.update)
+    runner.execute_model = timed(phases, "prepare", runner.execute_model)
+    engine.step = timed(phases, "step", engine.step)
+    for _ in range(steps):
+        engine.step()
+    assert len(sched.running) == seqs
+    out = {k: statistics.median(v) * 1e3 for k, v in phases.items()}
+    out["output"] = out["step"] - out["schedule"] - out["prepare"] - out["update"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cols = ("schedule", "prepare", "update", "output", "step")
+    print("median ms per decode step, null model (prepare = model runner without the model)")
+    print(f"{'seqs':>6}" + "".join(f"{c:>10}" for c in cols))
+    rows = {}
+    for n in args.seqs:
+        rows[n] = measure(n, args.prompt_len, args.steps)
+        print(f"{n:>6}" + "".join(f"{rows[n][c]:>10.3f}" for c in cols), flush=True)
+    lo, hi = min(rows), max(rows)
+    print(f"growth {lo} -> {hi} seqs: step x{rows[hi]['step'] / rows[lo]['step']:.2f} "
+          f"for x{hi / lo:.0f} sequences")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""C++ CPU kernels (kernels/csrc/cpu_ops.cpp, AVX-512): paged attention reading the block cache in
+place, the KV store, fused RMSNorm(+residual), SiLU·mul and RoPE, thread binding. Built once with
+torch's cpp_extension on first use and cached per CPU; `load()` is None where they cannot run."""
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+          "-ffp-contract=off"]
+log = logging.getLogger("conveyor")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    if os.environ.get("CONVEYOR_CPU_KERNELS", "1") == "0":
+        return None
+    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        log.info("C++ CPU kernels off: the CPU lacks %s", ", ".join(missing))
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+                            + torch.__version__.encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load as build
+        return build(name=f"conveyor_cpu_ops_{digest}", sources=[str(SOURCE)], extra_cflags=CFLAGS)
+    except Exception as e:  # no compiler or headers: the pure-torch path still runs
+        log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
+        return None
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    load().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every sequence's new tokens over its whole cached context, decodes and prefills alike:
+    q [T, h, d] packed as query_start_loc says -> [T, h, d]."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    load().paged_attention(out, q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            max_query_len: int, scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def bind_threads(cpus: list[int]) -> list[int]:
+    """Pins torch's intra-op thread i to cpus[i]; returns the cpu each thread was bound to (-1: not)."""
+    return load().bind_threads(cpus)
