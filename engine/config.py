@@ -36,6 +36,7 @@ class EngineConfig:
     aging_rate: float = 1.0
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
+    prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     model_path: str = field(default="", repr=False)

@@ -7,6 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import pack_weights
 from engine.loader import load_weights
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel import tp_rank
@@ -45,6 +46,8 @@ class ModelRunner:
             self.model = LlamaForCausalLM(hf, ops, config.max_model_len)
         torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model_path, hf.tie_word_embeddings)
+        if config.prepack_weights and self.device.type == "cpu":
+            pack_weights(self.model)
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
         self.head_dim = head_dim_of(hf)

@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import matmul
 from engine.parallel import all_reduce, divide, gather_to_rank0, tp_rank, tp_size
 
 
@@ -31,5 +32,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the sharded vocabulary; full logits are assembled on rank 0."""
 
+    packable, packed = True, None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_to_rank0(F.linear(hidden, self.weight), dim=-1)
+        return gather_to_rank0(matmul(hidden, self.weight, self.packed), dim=-1)

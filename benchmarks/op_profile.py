@@ -1,5 +1,5 @@
 """torch.profiler over `LLM.generate` on the seed workload: the top ops by self CPU time and their
-share of the run. `python -m benchmarks.profile --model demo:small --dtype bfloat16`."""
+share of the run. `python -m benchmarks.op_profile --model demo:small --dtype bfloat16`."""
 import argparse
 import time
 
