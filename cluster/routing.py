@@ -16,8 +16,10 @@ Wiring (Ray Serve 2.60):
   carries it, else the routing stats'.
 - Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
   admission (`serve.get_replica_context().replica_id.unique_id`).
-- The prefix index learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted
-  the request (the default, strict max_ongoing_requests path).
+- Prefix affinity: for replicas whose real KV contents admission knows (their KV events, plus
+  prompts reserved there), the hint's `cached_blocks`; for the others, this router's own guess, a
+  `PrefixIndex` that learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted the
+  request (the default, strict max_ongoing_requests path).
 """
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,20 +31,28 @@ from cluster.prefix_index import PrefixIndex
 from cluster.stats import BLOCK_SIZE, ReplicaStats, block_hashes, num_blocks
 
 
+MAX_PREFIX_BLOCKS = 256
+
+
 @dataclass(frozen=True)
 class RoutingHint:
-    """What the caller knows: the prompt's block hashes, and from admission (fresher than routing stats)
-    the replicas with room for it and each replica's KV pressure including prompts just admitted."""
+    """What the caller knows: the prompt's block keys, and from admission (fresher than routing stats)
+    the replicas with room for it, each replica's KV pressure including prompts just admitted, and the
+    leading blocks of the prompt each reported replica really holds."""
     prefix_hashes: tuple[bytes, ...] = ()
     num_prompt_blocks: int = 0
     replicas: tuple[str, ...] = ()
     pressure: dict[str, float] = field(default_factory=dict)
+    cached_blocks: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_token_ids(cls, token_ids: Sequence[int], block_size: int = BLOCK_SIZE, replicas: Sequence[str] = (),
-                       pressure: dict[str, float] | None = None) -> "RoutingHint":
-        return cls(tuple(block_hashes(token_ids, block_size)), num_blocks(len(token_ids), block_size), tuple(replicas),
-                   dict(pressure or {}))
+                       pressure: dict[str, float] | None = None, salt: str | None = None,
+                       cached_blocks: dict[str, int] | None = None, keys: Sequence[bytes] | None = None,
+                       ) -> "RoutingHint":
+        keys = block_hashes(token_ids, block_size, salt, MAX_PREFIX_BLOCKS) if keys is None else keys
+        return cls(tuple(keys), num_blocks(len(token_ids), block_size), tuple(replicas), dict(pressure or {}),
+                   dict(cached_blocks or {}))
 
 
 def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None:
@@ -87,16 +97,20 @@ class Scored:
 
 
 def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[bytes], index: PrefixIndex,
-                   cfg: RouterConfig, was_saturated: dict[str, bool] | None = None) -> list[Scored]:
-    """Scores, best first. Replicas with neither stats nor a pressure count as empty."""
+                   cfg: RouterConfig, was_saturated: dict[str, bool] | None = None,
+                   cached_blocks: dict[str, int] | None = None) -> list[Scored]:
+    """Scores, best first. Replicas with neither stats nor a pressure count as empty. Affinity: the leading
+    blocks a replica holds (`cached_blocks`, real contents) or else, unreported, `index`'s guess."""
     marks = Watermarks(cfg.high_watermark, cfg.low_watermark)
-    was_saturated = was_saturated or {}
+    was_saturated, cached_blocks = was_saturated or {}, cached_blocks or {}
     out = []
     for c in candidates:
         s = c.stats
         pressure = c.pressure if c.pressure is not None else s.pressure(cfg.block_size) if s else 0.0
         load = c.ongoing if c.ongoing is not None else s.num_running + s.num_waiting if s else 0
-        affinity = index.match(c.replica_id, prefix_hashes) / len(prefix_hashes) if prefix_hashes else 0.0
+        held = cached_blocks.get(c.replica_id)
+        held = index.match(c.replica_id, prefix_hashes) if held is None else held
+        affinity = held / len(prefix_hashes) if prefix_hashes else 0.0
         headroom = min(1.0, max(0.0, 1.0 - pressure))
         score = cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
         known = s is not None or c.pressure is not None
@@ -152,7 +166,7 @@ class KVAwareRequestRouter(RequestRouter):
         self._ensure_state()
         by_id = {r.replica_id.unique_id: r for r in replicas}
         scored = score_replicas(self.candidates(replicas, hint), hint.prefix_hashes if hint else (), self.index,
-                                self.config, self.saturated)
+                                self.config, self.saturated, getattr(hint, "cached_blocks", None))
         self.saturated.update({s.replica_id: s.saturated for s in scored})
         return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
 
