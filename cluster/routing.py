@@ -16,6 +16,9 @@ Wiring (Ray Serve 2.60):
   carries it, else the routing stats'.
 - Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
   admission (`serve.get_replica_context().replica_id.unique_id`).
+- With a hint from admission, the router follows admission's ranking (`follow_admission`): admission
+  scored the replicas the same way with its fresher view and reserved the request on its first one;
+  the router still skips saturated replicas and moves off an overloaded one (Ray's in-flight counts).
 - Prefix affinity: for replicas whose real KV contents admission knows (their KV events, plus
   prompts reserved there), the hint's `cached_blocks`; for the others, this router's own guess, a
   `PrefixIndex` that learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted the
@@ -72,6 +75,7 @@ class RouterConfig:
     max_queue_imbalance: int = 8
     max_pressure_imbalance: float = 0.5
     max_blocks_per_replica: int = 65536
+    follow_admission: bool = True
     block_size: int = BLOCK_SIZE
 
 
@@ -124,15 +128,19 @@ def overloaded(preferred: Scored, least: Scored, cfg: RouterConfig) -> bool:
             or preferred.pressure - least.pressure > cfg.max_pressure_imbalance)
 
 
-def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = ()) -> list[str]:
+def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = (), ordered: bool = False
+           ) -> list[str]:
     """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
     relative to it), then the rest. Saturated replicas only when every replica is saturated;
-    replicas outside `allowed` (admission's list) only after the allowed ones."""
+    replicas outside `allowed` (admission's list) only after the allowed ones; `ordered`: the allowed ones
+    in admission's order (it reserved the request on its first), not by score."""
     usable = [s for s in scored if not s.saturated] or sorted(scored, key=lambda s: (s.load, s.pressure))
     if not usable:
         return []
-    ok = set(allowed)
+    ok = {rid: i for i, rid in enumerate(allowed)}
     pool = [s for s in usable if s.replica_id in ok] or usable
+    if ordered:
+        pool.sort(key=lambda s: ok.get(s.replica_id, len(ok)))
     rest = [s for s in usable if s not in pool]
     preferred = pool[0]
     least = min(pool, key=lambda s: (s.load, s.pressure))
@@ -168,7 +176,8 @@ class KVAwareRequestRouter(RequestRouter):
         scored = score_replicas(self.candidates(replicas, hint), hint.prefix_hashes if hint else (), self.index,
                                 self.config, self.saturated, getattr(hint, "cached_blocks", None))
         self.saturated.update({s.replica_id: s.saturated for s in scored})
-        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
+        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else (),
+                                             self.config.follow_admission)]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
