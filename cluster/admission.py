@@ -66,6 +66,7 @@ class Decision:
     reason: str = "ok"
     cached_blocks: dict[str, int] = field(default_factory=dict)
     queue_time_s: float = 0.0
+    new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,12 @@ class AdmissionController:
             keys.update(r.keys)
         return keys
 
+    def shared_blocks(self, replica_id: str, keys: Sequence[bytes]) -> int:
+        """Leading blocks of a prompt that requests reserved on the replica bring anyway: in use when it runs,
+        shared, costing no new block (a cached but idle block does cost one: it leaves the free pool)."""
+        pending = self.pending_keys(replica_id) if keys else ()
+        return next((i for i, k in enumerate(keys) if k not in pending), len(keys))
+
     def cached_blocks(self, replica_id: str, keys: Sequence[bytes]) -> int | None:
         """Leading blocks of a prompt the replica holds or is about to (reservations); None: not reported."""
         if not self.kv.reported(replica_id):
@@ -232,8 +239,8 @@ class AdmissionController:
         open_ = [rid for rid in fresh if not self.replicas[rid].saturated]
         if not open_:
             return Decision(False, [], retry, "saturated")
-        fits = [rid for rid in open_
-                if self.room(rid) >= min(num_prompt_blocks, self.replicas[rid].stats.kv_blocks_total)]
+        need = {rid: max(0, num_prompt_blocks - self.shared_blocks(rid, keys)) for rid in open_}
+        fits = [rid for rid in open_ if self.room(rid) >= min(need[rid], self.replicas[rid].stats.kv_blocks_total)]
         if not fits:
             return Decision(False, [], retry, "no_room")
         wait = {rid: self.queue_time(rid) for rid in fits}
@@ -246,7 +253,7 @@ class AdmissionController:
                                 queue_time_s=best)
         cached = {rid: c for rid in fits if (c := self.cached_blocks(rid, keys)) is not None}
         fits.sort(key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid))
-        return Decision(True, fits, 0.0, "ok", cached, wait[fits[0]])
+        return Decision(True, fits, 0.0, "ok", cached, wait[fits[0]], need[fits[0]])
 
     def snapshot(self, now: float) -> dict[str, Any]:
         rows = []

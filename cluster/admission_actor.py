@@ -141,5 +141,5 @@ class AdmissionClient:
             finally:
                 self.queued -= 1
         if d.admit:
-            self.controller.reserve(d.replicas[0], num_prompt_blocks, now, num_seqs, keys)
+            self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
         return d
