@@ -1,8 +1,9 @@
 """How long a request sent to a replica now would wait before it starts, from the replica's queue and its
 measured service rates (cluster.stats.Rates).
 
-Two bottlenecks, whichever is worse: batch slots (a request beyond the replica's free `max_num_seqs` slots
-starts when the requests ahead of it have finished, at the measured finish rate) and prefill (the prompt
+Two bottlenecks, whichever is worse: batch slots (a request beyond the replica's free slots starts when
+the requests ahead of it have finished, at the measured finish rate; slots are `max_num_seqs`, or fewer
+when the KV cache holds fewer requests the size of the running ones) and prefill (the prompt
 tokens queued ahead drain at the measured prefill rate). Requests admitted but not yet in the stats count
 as queued. With a queue but no measured finish rate the wait is unknown: infinite, so a cold replica takes
 what its free slots hold and no more.
@@ -15,6 +16,9 @@ from cluster.stats import Rates, ReplicaStats
 def queue_time_s(stats: ReplicaStats, rates: Rates, extra_requests: int = 0, extra_tokens: int = 0) -> float:
     ahead = stats.num_waiting + extra_requests
     slots = stats.max_num_seqs - stats.num_running if stats.max_num_seqs else ahead + 1
+    if stats.num_running and stats.kv_blocks_used:
+        per_request = stats.kv_blocks_used / stats.num_running
+        slots = min(slots, int(stats.kv_blocks_total / per_request) - stats.num_running)
     over = ahead + 1 - slots
     if over <= 0:
         slot_wait = 0.0

@@ -156,6 +156,8 @@ def test_queue_time_slots_and_prefill_bottlenecks():
     assert queue_time_s(s(running=8, waiting=7, waiting_tokens=700), rates) == 2.0  # 8 must finish first
     assert queue_time_s(s(running=8, waiting=7), rates, extra_requests=4) == 3.0  # admitted, not yet seen
     assert queue_time_s(s(running=8), Rates()) == math.inf  # full and no finish rate measured
+    assert queue_time_s(s(running=4, free=20), rates) == 0.0  # 4 use 80 of 100 blocks: 1 more fits, not 4
+    assert queue_time_s(s(running=4, free=20, waiting=1), rates) == 0.25
     assert retry_after_s(3.2, 2.0, 1.0) == 2.0 and retry_after_s(2.1, 2.0, 1.0) == 1.0
     assert retry_after_s(math.inf, 2.0, 1.0) == 1.0
 
