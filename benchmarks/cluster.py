@@ -187,16 +187,18 @@ def routing(url: str, args: argparse.Namespace) -> None:
           f"{100 * (stat['kv'][2] - oracle):+.1f} points vs oracle (target within 5)")
 
 
-async def sample_pressure(actor: Any, stop: asyncio.Event, every_s: float, out: list[tuple[float, dict]]) -> None:
+async def sample_pressure(actor: Any, stop: asyncio.Event, every_s: float, out: list[tuple[float, dict, dict]]) -> None:
     while not stop.is_set():
         snap = await actor.snapshot.remote()
-        out.append((time.perf_counter(), {r["replica_id"]: r["pressure"] for r in snap["replicas"]}))
+        out.append((time.perf_counter(), {r["replica_id"]: r["pressure"] for r in snap["replicas"]},
+                    {r["replica_id"]: (r["num_running"], r["num_waiting"], round(r["queue_time_s"], 2),
+                                       r["num_preemptions"]) for r in snap["replicas"]}))
         await asyncio.sleep(every_s)
 
 
-def longest_above(samples: list[tuple[float, dict]], high: float) -> float:
+def longest_above(samples: list[tuple[float, dict, dict]], high: float) -> float:
     longest, since = 0.0, {}
-    for t, rows in samples:
+    for t, rows, _ in samples:
         for rid, p in rows.items():
             if p > high:
                 since.setdefault(rid, t)
@@ -207,16 +209,19 @@ def longest_above(samples: list[tuple[float, dict]], high: float) -> float:
 
 
 async def open_loop(url: str, path: str, rate: float, duration: float, prompt_len: tuple[int, int], max_tokens: int,
-                    seed: int, actor: Any = None) -> tuple[list[dict[str, Any]], list[tuple[float, dict]]]:
+                    seed: int, actor: Any = None) -> tuple[list[dict[str, Any]], list[tuple[float, dict, dict]]]:
     rng = random.Random(seed)
-    samples: list[tuple[float, dict]] = []
+    samples: list[tuple[float, dict, dict]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_pressure(actor, stop, 0.02, samples)) if actor is not None else None
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=2000)) as c:
         tasks, start = [], time.perf_counter()
         while time.perf_counter() - start < duration:
             prompt = rand_tokens(rng, rng.randint(*prompt_len))
-            tasks.append(asyncio.create_task(stream_one(c, path, prompt, max_tokens, retry=False)))
+
+            async def one(prompt: list[int] = prompt, sent: float = time.perf_counter()) -> dict[str, Any]:
+                return {**await stream_one(c, path, prompt, max_tokens, retry=False), "sent": sent}
+            tasks.append(asyncio.create_task(one()))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
     stop.set()
@@ -261,7 +266,12 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
           f"{pct(ttft, .99):.2f} s | {whole} |")
     if lost:
         print("lost:", [r for r in results if r not in ok and r not in refused][:5])
-    peak = max((p for _, rows in samples for p in rows.values()), default=0.0)
+    peak = max((p for _, rows, _ in samples for p in rows.values()), default=0.0)
+    t0 = samples[0][0] if samples else 0.0
+    for r in sorted(ok, key=lambda r: -r["ttft"])[:3]:
+        at = next((q for t, _, q in samples if t >= r["sent"]), None)
+        print(f"slow: sent at {r['sent'] - t0:.2f} s, TTFT {r['ttft']:.2f} s; replicas (running, waiting, estimated "
+              f"queue s, preemptions) then: {at}")
     print(f"KV pressure sampled every 20 ms ({len(samples)} samples): peak {peak:.2f}, longest above the high "
           f"watermark {high:.2f}: {1000 * longest_above(samples, high):.0f} ms (stats push 100 ms, router refresh "
           f"50 ms); target admitted TTFT p99 <= {args.max_queue_time + 0.5:.1f} s")

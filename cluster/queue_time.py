@@ -2,8 +2,9 @@
 measured service rates (cluster.stats.Rates).
 
 Two bottlenecks, whichever is worse: batch slots (a request beyond the replica's free slots starts when
-the requests ahead of it have finished, at the measured finish rate; slots are `max_num_seqs`, or fewer
-when the KV cache holds fewer requests the size of the running ones) and prefill (the prompt
+enough running requests have finished: the k-th slot frees when the running request with the k-th fewest
+tokens left is done, at the measured steps per second; beyond those, at the measured finish rate; slots
+are `max_num_seqs`, or fewer when the KV cache holds fewer requests the size of the running ones) and prefill (the prompt
 tokens queued ahead drain at the measured prefill rate). Requests admitted but not yet in the stats count
 as queued. With a queue but no measured finish rate the wait is unknown: infinite, so a cold replica takes
 what its free slots hold and no more.
@@ -20,8 +21,13 @@ def queue_time_s(stats: ReplicaStats, rates: Rates, extra_requests: int = 0, ext
         per_request = stats.kv_blocks_used / stats.num_running
         slots = min(slots, int(stats.kv_blocks_total / per_request) - stats.num_running)
     over = ahead + 1 - slots
+    left = stats.tokens_left
     if over <= 0:
         slot_wait = 0.0
+    elif left and rates.steps_per_s > 0 and over <= len(left):
+        slot_wait = left[over - 1] / rates.steps_per_s
+    elif left and rates.steps_per_s > 0 and rates.finished_per_s > 0:
+        slot_wait = left[-1] / rates.steps_per_s + (over - len(left)) / rates.finished_per_s
     else:
         slot_wait = over / rates.finished_per_s if rates.finished_per_s > 0 else math.inf
     tokens = stats.num_waiting_tokens + extra_tokens

@@ -31,6 +31,8 @@ class ReplicaStats:
     busy_time_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_steps: int = 0
+    tokens_left: tuple[int, ...] = ()
     timestamp: float = 0.0
 
     @classmethod
@@ -38,6 +40,7 @@ class ReplicaStats:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known and v is not None}
         kw["replica_id"] = str(d["replica_id"])
+        kw["tokens_left"] = tuple(kw.get("tokens_left", ()))
         return cls(**kw)
 
     @classmethod
@@ -89,10 +92,12 @@ class Rates:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
+    steps_per_s: float = 0.0
     busy_s: float = 0.0
     prefill_tokens: float = 0.0
     decode_tokens: float = 0.0
     finished: float = 0.0
+    steps: float = 0.0
 
     def update(self, prev: ReplicaStats, cur: ReplicaStats, window_s: float = 4.0) -> "Rates":
         busy = cur.busy_time_s - prev.busy_time_s
@@ -103,7 +108,8 @@ class Rates:
         p = self.prefill_tokens * keep + max(0, cur.num_prefill_tokens - prev.num_prefill_tokens)
         d = self.decode_tokens * keep + max(0, cur.num_decode_tokens - prev.num_decode_tokens)
         f = self.finished * keep + max(0, cur.num_finished - prev.num_finished)
-        return Rates(p / b, d / b, f / b, b, p, d, f)
+        n = self.steps * keep + max(0, cur.num_steps - prev.num_steps)
+        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

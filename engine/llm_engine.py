@@ -132,7 +132,8 @@ class LLMEngine:
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_finished=self.num_finished, num_aborted=self.num_aborted, max_num_seqs=self.config.max_num_seqs,
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_tokens=self.num_decode_tokens)
+            num_decode_tokens=self.num_decode_tokens, num_steps=s.num_steps,
+            tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64])
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
         return self.block_manager.drain_kv_events(max_events)

@@ -158,6 +158,10 @@ def test_queue_time_slots_and_prefill_bottlenecks():
     assert queue_time_s(s(running=8), Rates()) == math.inf  # full and no finish rate measured
     assert queue_time_s(s(running=4, free=20), rates) == 0.0  # 4 use 80 of 100 blocks: 1 more fits, not 4
     assert queue_time_s(s(running=4, free=20, waiting=1), rates) == 0.25
+    timed = Rates(prefill_tokens_per_s=1000.0, finished_per_s=4.0, steps_per_s=20.0)
+    cohort = ReplicaStats.from_dict({**stats("r", seqs=4, running=4, waiting=1), "tokens_left": [40, 60, 100, 120]})
+    assert queue_time_s(cohort, timed) == 3.0  # 2 must finish: the second-shortest has 60 tokens at 20 steps/s
+    assert queue_time_s(cohort, timed, extra_requests=5) == 6.0 + 3 / 4.0  # 7 must: 4 done in 6 s, then 3 more
     assert retry_after_s(3.2, 2.0, 1.0) == 2.0 and retry_after_s(2.1, 2.0, 1.0) == 1.0
     assert retry_after_s(math.inf, 2.0, 1.0) == 1.0
 
