@@ -41,6 +41,7 @@ class AdmissionConfig:
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
+    queue_time_safety: float = 2.0  # estimates times this must fit: benchmarks/cluster.py measured waits ~2x the estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
     headroom_weight: float = 0.5
@@ -52,6 +53,7 @@ class AdmissionConfig:
         assert self.settle_s >= 0.0 and self.retry_after_s >= 0.0 and self.block_size >= 1
         assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
         assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
+        assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
 
     @property
     def watermarks(self) -> Watermarks:
@@ -178,9 +180,11 @@ class AdmissionController:
         return self.kv.match(replica_id, keys, self.pending_keys(replica_id))
 
     def queue_time(self, replica_id: str) -> float:
+        """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety."""
         e = self.replicas[replica_id]
         blocks, requests = self.reserved(replica_id)
-        return queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size)
+        wait = queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size)
+        return wait * self.config.queue_time_safety
 
     def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
         """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks."""

@@ -167,7 +167,7 @@ def test_queue_time_slots_and_prefill_bottlenecks():
 
 
 def test_max_queue_time_refuses_with_retry_after_and_counts_reservations():
-    c = AdmissionController(AdmissionConfig(max_queue_time_s=2.0))
+    c = AdmissionController(AdmissionConfig(max_queue_time_s=2.0, queue_time_safety=1.0))
     for rid in "ab":  # 1 s of busy time: 4 requests finished, 4000 prompt tokens
         c.update(ReplicaStats.from_dict(stats(rid, running=8)), 0.0)
         c.update(ReplicaStats.from_dict(stats(rid, running=8, waiting=3, busy=1.0, prefill=4000, finished=4,
