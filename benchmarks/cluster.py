@@ -112,9 +112,9 @@ def start_ray(args: argparse.Namespace) -> str:
 
 def app_args(args: argparse.Namespace, **over: Any) -> Any:
     from deployments.app import AppArgs
-    engine = dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16,
-                  **over.pop("engine", {}))
+    engine = {**dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16),
+              **over.pop("engine", {})}
     common = dict(model=args.model, engine=engine, num_replicas=2, replica_num_cpus=args.ray_cpus * 0.2,
                   router_num_cpus=args.ray_cpus * 0.05, torch_threads=args.threads)
     return AppArgs(**{**common, **over})
@@ -233,16 +233,18 @@ async def open_loop(url: str, path: str, rate: float, duration: float, prompt_le
 def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     import ray
     from ray import serve
-    name = "slo" if routers == 1 else "slo2"
-    engine = {} if routers == 1 else {"num_blocks": args.kv_bound_blocks}
-    deploy(url, {name: app_args(args, engine=engine, router_replicas=routers, max_queue_time_s=args.max_queue_time)})
-    prompt_len = tuple(args.overload_prompt_len) if routers == 1 else tuple(args.kv_bound_prompt_len)
+    kv_bound = args.scenario == "two-routers" or routers > 1
+    name = f"slo{routers}" + ("kv" if kv_bound else "")
+    engine = {"num_blocks": args.kv_bound_blocks} if kv_bound else {}
+    deploy(url, {name: app_args(args, engine=engine, router_replicas=routers, max_queue_time_s=args.max_queue_time,
+                                admission=json.loads(args.admission))})
+    prompt_len = tuple(args.kv_bound_prompt_len if kv_bound else args.overload_prompt_len)
     rng = random.Random(7)
     warm = [rand_tokens(rng, rng.randint(*prompt_len)) for _ in range(args.capacity_requests)]
     out, elapsed = asyncio.run(closed_loop(url, f"/{name}", warm, args.overload_max_tokens, 2 * args.max_num_seqs))
     capacity = sum(o["status"] == 200 for o in out) / elapsed
     rate = args.overload * capacity
-    print(f"\n{name}: {routers} router replica(s), capacity {capacity:.2f} req/s closed-loop "
+    print(f"\n{name}: {routers} router replica(s), admission {args.admission}, capacity {capacity:.2f} req/s closed-loop "
           f"({2 * args.max_num_seqs} clients); offering {rate:.1f} req/s for {args.duration:.0f} s", flush=True)
     actor = serve.get_deployment_handle("LLMReplica", app_name=name).admission.remote().result()
     results, samples = asyncio.run(open_loop(url, f"/{name}", rate, args.duration, prompt_len,
@@ -291,6 +293,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=224, help="per replica; about half the system prompts fit")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
+    p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
+    p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
     p.add_argument("--overload", type=float, default=10.0, help="offered load / measured capacity")
     p.add_argument("--max-queue-time", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=10.0, help="seconds of open-loop arrivals")
@@ -317,7 +321,7 @@ def main() -> None:
         if args.scenario in ("overload", "all"):
             overload(url, args, routers=1)
         if args.scenario in ("two-routers", "all"):
-            overload(url, args, routers=2)
+            overload(url, args, routers=args.routers)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -41,6 +41,7 @@ class AdmissionConfig:
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
+    count_output_blocks: bool = False  # KV demand includes running and admitted requests' max_tokens growth
     queue_time_safety: float = 2.0  # estimates times this must fit: benchmarks/cluster.py measured waits ~2x the estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
@@ -159,7 +160,9 @@ class AdmissionController:
                 entry.shared_requests + sum(r.requests for r in own))
 
     def room(self, replica_id: str) -> int:
-        return self.replicas[replica_id].stats.room_blocks(self.config.block_size) - self.reserved(replica_id)[0]
+        stats, bs = self.replicas[replica_id].stats, self.config.block_size
+        growth = -(-sum(stats.tokens_left) // bs) if self.config.count_output_blocks else 0
+        return stats.room_blocks(bs) - self.reserved(replica_id)[0] - growth
 
     def pending_keys(self, replica_id: str) -> set[bytes]:
         keys = set(self.replicas[replica_id].shared_keys)
@@ -225,10 +228,10 @@ class AdmissionController:
             self._reserved.setdefault(r.replica_id, []).append(r)
 
     def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None,
-               keys: Sequence[bytes] = ()) -> Decision:
+               keys: Sequence[bytes] = (), output_blocks: int = 0) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
-        keys, for the ranking. Admitted: the replicas with room, best first (the KV-aware router's score);
+        keys, for the ranking; `output_blocks`: its max_tokens' blocks, counted with `count_output_blocks`. Admitted: the replicas with room, best first (the KV-aware router's score);
         with `max_queue_time_s`, only those whose queue time is within it, else a refusal `queue_time`
         whose Retry-After is when the shortest queue is due to be back within it."""
         retry = self.config.retry_after_s
@@ -243,7 +246,8 @@ class AdmissionController:
         open_ = [rid for rid in fresh if not self.replicas[rid].saturated]
         if not open_:
             return Decision(False, [], retry, "saturated")
-        need = {rid: max(0, num_prompt_blocks - self.shared_blocks(rid, keys)) for rid in open_}
+        grow = output_blocks if self.config.count_output_blocks else 0
+        need = {rid: max(0, num_prompt_blocks - self.shared_blocks(rid, keys)) + grow for rid in open_}
         fits = [rid for rid in open_ if self.room(rid) >= min(need[rid], self.replicas[rid].stats.kv_blocks_total)]
         if not fits:
             return Decision(False, [], retry, "no_room")

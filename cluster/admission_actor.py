@@ -115,18 +115,18 @@ class AdmissionClient:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def decide(self, num_prompt_blocks: int, largest_blocks: int | None = None,
-                     keys: Sequence[bytes] = (), num_seqs: int = 1) -> Decision:
+                     keys: Sequence[bytes] = (), num_seqs: int = 1, output_blocks: int = 0) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
         refuse; `keys`: the prompt's block keys."""
         now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys)
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
         if not d.admit and d.reason in ("no_replicas", "stale") and now - self.fetched_at > self.refresh_s:
             try:
                 await self.refresh()
             except Exception:
                 return d
             now = self.clock()
-            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys)
+            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
         cfg = self.controller.config
         if not d.admit and d.reason in ("saturated", "no_room") and self.queued < cfg.max_queued:
             deadline, self.queued = now + cfg.queue_timeout_s, self.queued + 1
@@ -137,7 +137,7 @@ class AdmissionClient:
                     except asyncio.TimeoutError:
                         pass
                     now = self.clock()
-                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys)
+                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
             finally:
                 self.queued -= 1
         if d.admit:

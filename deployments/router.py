@@ -101,13 +101,14 @@ class Router:
         return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
                                priority=req.priority, stream=req.stream)
 
-    async def admit(self, prompts: list[list[int]], n: int, where: str) -> RoutingHint:
+    async def admit(self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0) -> RoutingHint:
         """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
         if self.gate is None:
             return RoutingHint.from_token_ids(prompts[0], self.block_size)
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
         keys = block_hashes(prompts[0], self.block_size, None, MAX_PREFIX_BLOCKS)
-        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n)
+        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n,
+                                   num_blocks(max_tokens, self.block_size) * len(prompts) * n)
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
             return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas,
@@ -203,7 +204,7 @@ class Router:
                 prompts, where = self.tokenize_prompts(req.prompt), "prompt"
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where)
                 rid = f"cmpl-{gen_req.request_id}"
-            hint = await self.admit(prompts, req.n, where)
+            hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0)
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
                                       len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode)
             return await self.run(req, gen_req, hint, builder, start)

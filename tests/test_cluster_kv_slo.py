@@ -240,3 +240,14 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
         assert one.controller.room("a") == one.controller.room("b") == 20
 
     asyncio.run(scenario())
+
+
+def test_count_output_blocks_charges_max_tokens_growth():
+    on = AdmissionController(AdmissionConfig(count_output_blocks=True))
+    off = AdmissionController()
+    for c in (on, off):  # 2 running with 30 + 50 tokens left: 5 more blocks at 16 tokens each
+        c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
+    assert off.room("a") == 40 and on.room("a") == 35
+    assert off.decide(10, 0.0, output_blocks=30).admit and not on.decide(10, 0.0, output_blocks=30).admit
+    d = on.decide(10, 0.0, output_blocks=20)
+    assert d.admit and d.new_blocks == 30
