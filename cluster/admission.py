@@ -99,6 +99,7 @@ class AdmissionController:
         self.replicas: dict[str, ReplicaEntry] = {}
         self._reserved: dict[str, list[Reservation]] = {}
         self.inflight: list[Reservation] = []  # sent to the actor, not yet in a snapshot (router side)
+        self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
         self.kv = KVIndex()
 
     def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
@@ -154,10 +155,12 @@ class AdmissionController:
         return self._reserved.get(replica_id, []) + [r for r in self.inflight if r.replica_id == replica_id]
 
     def reserved(self, replica_id: str) -> tuple[int, int]:
-        """(blocks, requests) admitted to the replica that its stats cannot include yet, every router's."""
-        entry, own = self.replicas[replica_id], self._own(replica_id)
-        return (entry.shared_blocks + sum(r.blocks for r in own),
-                entry.shared_requests + sum(r.requests for r in own))
+        """(blocks, requests) admitted to the replica that its stats cannot include yet, every router's.
+        Own reservations the actor has not shared yet count once per router: until the next refresh each of
+        the others may be admitting as much, unseen."""
+        entry, own, k = self.replicas[replica_id], self._own(replica_id), self.num_routers
+        return (entry.shared_blocks + k * sum(r.blocks for r in own),
+                entry.shared_requests + k * sum(r.requests for r in own))
 
     def room(self, replica_id: str) -> int:
         stats, bs = self.replicas[replica_id].stats, self.config.block_size
@@ -315,6 +318,7 @@ class AdmissionController:
             r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())))
             for r in snapshot["replicas"]}
         self.inflight = []
+        self.num_routers = max(1, int(snapshot.get("routers", 1)))
         if "changes" in kv:
             self.kv.load(kv["changes"])
         for rid in list(self._reserved):

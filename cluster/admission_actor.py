@@ -12,12 +12,14 @@ import asyncio
 from dataclasses import replace
 import logging
 import time
+import uuid
 from typing import Any, Awaitable, Callable, Sequence
 
 from cluster.admission import AdmissionConfig, AdmissionController, Decision
 from cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
+ROUTER_TTL_S = 5.0
 
 
 class AdmissionActor:
@@ -26,6 +28,7 @@ class AdmissionActor:
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.time):
         self.clock = clock
         self.controller = AdmissionController(AdmissionConfig(**(config or {})))
+        self.routers: dict[str, float] = {}
 
     def report(self, stats: dict[str, Any]) -> dict[str, Any]:
         """A replica's push: its stats and, under "kv_events", its KVEvents dict. The answer asks for a full
@@ -36,14 +39,19 @@ class AdmissionActor:
         return {"kv_reset": reset}
 
     def sync(self, reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
-             kv_since: int | None = None) -> dict[str, Any]:
+             kv_since: int | None = None, router_id: str | None = None) -> dict[str, Any]:
         """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
-        keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys."""
+        keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
+        and "routers": how many routers synced in the last `ROUTER_TTL_S`."""
         now = self.clock()
+        if router_id is not None:
+            self.routers[router_id] = now
+        self.routers = {r: t for r, t in self.routers.items() if now - t <= ROUTER_TTL_S}
         for replica_id, age_s, blocks, requests, keys in reservations:
             self.controller.reserve(replica_id, blocks, now - max(0.0, age_s), requests, keys)
         snap = self.snapshot()
         snap["kv"] = self.controller.kv_snapshot(kv_since)
+        snap["routers"] = max(1, len(self.routers))
         return snap
 
     def forget(self, replica_id: str) -> None:
@@ -78,6 +86,7 @@ class AdmissionClient:
         self._refreshed = asyncio.Event()
         self._lock = asyncio.Lock()
         self.kv_version: int | None = None
+        self.router_id = uuid.uuid4().hex
 
     async def refresh(self) -> dict[str, Any]:
         async with self._lock:
@@ -87,7 +96,7 @@ class AdmissionClient:
                     self._actor = await self._get_actor()
                 now = self.clock()
                 sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
-                snapshot = await asyncio.wait_for(self._actor.sync.remote(sent, self.kv_version), timeout=2.0)
+                snapshot = await asyncio.wait_for(self._actor.sync.remote(sent, self.kv_version, self.router_id), timeout=2.0)
             except Exception:
                 self._actor = None
                 self.controller.untake(taken)

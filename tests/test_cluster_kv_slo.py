@@ -225,6 +225,11 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
             assert c.controller.reserved("a")[0] + c.controller.reserved("b")[0] == 40
         assert one.controller.room("a") == two.controller.room("a")
         assert one.controller.room("b") == two.controller.room("b")
+        assert one.controller.num_routers == two.controller.num_routers == 2
+        free_b = one.controller.room("b")
+        one.controller.reserve("b", 3, clock[0])  # not shared yet: counts for both routers
+        assert one.controller.room("b") == free_b - 6
+        one.controller._reserved.clear()
         assert two.controller.cached_blocks(d1.replicas[0], h) == 20  # one's prompt, on its way there
         d3 = await two.decide(1, keys=h)
         assert d3.admit
