@@ -42,7 +42,7 @@ class AdmissionConfig:
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
     count_output_blocks: bool = False  # KV demand includes running and admitted requests' max_tokens growth
-    queue_time_safety: float = 2.0  # estimates times this must fit: benchmarks/cluster.py measured waits ~2x the estimate
+    queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
     headroom_weight: float = 0.5
@@ -234,9 +234,10 @@ class AdmissionController:
                keys: Sequence[bytes] = (), output_blocks: int = 0) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
-        keys, for the ranking; `output_blocks`: its max_tokens' blocks, counted with `count_output_blocks`. Admitted: the replicas with room, best first (the KV-aware router's score);
-        with `max_queue_time_s`, only those whose queue time is within it, else a refusal `queue_time`
-        whose Retry-After is when the shortest queue is due to be back within it."""
+        keys, for the ranking; `output_blocks`: its max_tokens' blocks, counted with `count_output_blocks`.
+        Admitted: the replicas with room, best first (the KV-aware router's score); with `max_queue_time_s`,
+        only those whose queue time is within it, else a refusal `queue_time` whose Retry-After is when the
+        shortest queue is due to be back within it."""
         retry = self.config.retry_after_s
         if not self.replicas:
             return Decision(False, [], retry, "no_replicas")

@@ -96,7 +96,8 @@ class AdmissionClient:
                     self._actor = await self._get_actor()
                 now = self.clock()
                 sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
-                snapshot = await asyncio.wait_for(self._actor.sync.remote(sent, self.kv_version, self.router_id), timeout=2.0)
+                call = self._actor.sync.remote(sent, self.kv_version, self.router_id)
+                snapshot = await asyncio.wait_for(call, timeout=2.0)
             except Exception:
                 self._actor = None
                 self.controller.untake(taken)
