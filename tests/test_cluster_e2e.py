@@ -1,6 +1,7 @@
 """The cluster layer end to end over real Ray Serve on CPU: admission under a burst (429s, then a wait
 queue), KV autoscaling 1 -> 2 -> 1, prefix affinity of the KV-aware router against Ray's power-of-two
-router, two router replicas under a queue-time objective. One Ray cluster for the module; each test deploys its own apps and deletes them."""
+router, two router replicas under a queue-time objective. One Ray cluster for the module; each test
+deploys its own apps and deletes them."""
 import asyncio
 import random
 import threading
