@@ -1,16 +1,25 @@
-"""KV-aware request router vs Ray Serve's default power-of-two router, same cluster, same requests.
+"""The cluster layer on one local Ray cluster, three scenarios (python -m benchmarks.cluster --scenario ...):
 
-Two apps of 2 replicas each run side by side on one local Ray cluster (admission on in both); rounds
-alternate which app goes first. Workload: a few long system prompts shared by many users (system +
-short user message, streamed, greedy). Each round uses fresh system prompts, so both apps start it
-cold. The replicas' KV cache holds about half of the system prompts: the KV-aware router keeps each
-prompt on one replica, power-of-two spreads every prompt over both and they evict each other.
+routing      KV-aware router vs Ray Serve's power-of-two router, 2 apps of 2 replicas side by side, same
+             requests: a few long system prompts shared by many users (system + short user message,
+             streamed, greedy); each round uses fresh system prompts, rounds alternate which app goes
+             first; the KV caches hold about half the system prompts. Prints TTFT p50/p99 (from a
+             request's first attempt; a 429 is retried after its Retry-After), output tok/s, prefix-cache
+             hit rate, and the hit rate of an oracle that knows every replica's cache (a sequential
+             simulation: each request goes to the replica with the longest cached prefix, LRU caches of the
+             replicas' size). Targets: TTFT p50 <= -35%, p99 not worse, hit rate within 5 points of oracle.
+overload     10x overload with max_queue_time_s (default 2): the cluster's capacity (requests/s) is
+             measured closed-loop, then requests arrive open-loop (Poisson) at 10x that for a while; a 429
+             is not retried. Prints admitted TTFT p50/p99 (target p99 <= 2.5 s), 200/429 counts, 429s
+             without Retry-After, requests lost (neither a full 200 nor a 429), whether both block pools
+             are whole afterwards.
+two-routers  the overload through 2 router replicas, KV cache the binding limit (long prompts, small
+             cache): replica KV pressure sampled from the admission actor every 20 ms; prints the longest
+             time any replica stayed above its high watermark (target: <= one refresh interval).
 
-Prints a markdown table: TTFT p50/p99 (from a request's first attempt: a 429 is retried after its
-Retry-After), output tokens/s, cluster prefix-cache hit rate, 429s; target TTFT p50 -30% for the
-KV-aware router.
-
-    python -m benchmarks.cluster [--rounds 2 --requests 96 --concurrency 8]
+    python -m benchmarks.cluster --scenario routing [--rounds 2 --requests 128 --concurrency 8]
+    python -m benchmarks.cluster --scenario overload [--overload 10 --max-queue-time 2 --duration 10]
+    python -m benchmarks.cluster --scenario two-routers
 """
 import argparse
 import asyncio
@@ -20,104 +29,260 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import OrderedDict
 from typing import Any
 
 import httpx
 
 from benchmarks.sse import read_completion_stream
 
-ROUTERS = {"kv": "KV-aware (prefix + KV headroom + queue)", "p2c": "Ray default (power of two)"}
+ROUTERS = {"kv": "KV-aware (real KV contents + headroom + queue)", "p2c": "Ray default (power of two)"}
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 8000) for _ in range(n)]
 
 
 def make_round(args: argparse.Namespace, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    systems = [[rng.randrange(4, 8000) for _ in range(args.system_len)] for _ in range(args.system_prompts)]
-    return [rng.choice(systems) + [rng.randrange(4, 8000) for _ in range(rng.randint(*args.user_len))]
-            for _ in range(args.requests)]
+    systems = [rand_tokens(rng, args.system_len) for _ in range(args.system_prompts)]
+    return [rng.choice(systems) + rand_tokens(rng, rng.randint(*args.user_len)) for _ in range(args.requests)]
 
 
-async def one(client: httpx.AsyncClient, app: str, prompt: list[int], max_tokens: int) -> tuple[float, int, int]:
-    """(TTFT s from the first attempt, waits after a 429 included; completion tokens; 429s)"""
+def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, replicas: int = 2, block_size: int = 16) -> float:
+    """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests)."""
+    from engine.prefix_hash import block_hashes
+    caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
+    sent, hits, queries = [0] * replicas, 0, 0
+    for prompts in rounds:
+        for p in prompts:
+            keys = block_hashes(p, block_size)
+
+            def held(c: OrderedDict) -> int:
+                return next((i for i, k in enumerate(keys) if k not in c), len(keys))
+            r = max(range(replicas), key=lambda i: (held(caches[i]), -sent[i]))
+            sent[r] += 1
+            queries += len(p)
+            hits += min(held(caches[r]) * block_size, len(p) - 1)
+            for k in keys:
+                caches[r][k] = None
+                caches[r].move_to_end(k)
+            while len(caches[r]) > num_blocks:
+                caches[r].popitem(last=False)
+    return hits / queries
+
+
+async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], max_tokens: int,
+                     retry: bool) -> dict[str, Any]:
+    """TTFT from the first attempt (a retried 429 waits its Retry-After), tokens, status, Retry-After."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     refused, start = 0, time.perf_counter()
     while True:
-        async with client.stream("POST", f"/{app}/v1/completions", json=body) as r:
-            if r.status_code == 429:
-                refused += 1
-                await asyncio.sleep(float(r.headers.get("retry-after", 1)))
-                continue
-            r.raise_for_status()
-            ttft, tokens = await read_completion_stream(r, start)
-        return ttft if ttft is not None else time.perf_counter() - start, tokens, refused
+        try:
+            async with client.stream("POST", f"{path}/v1/completions", json=body) as r:
+                if r.status_code == 429 and retry:
+                    refused += 1
+                    await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+                    continue
+                if r.status_code != 200:
+                    await r.aread()
+                    return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "refused": refused,
+                            "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
+                ttft, tokens = await read_completion_stream(r, start)
+        except httpx.HTTPError as e:
+            return {"status": -1, "error": repr(e), "refused": refused}
+        return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": tokens,
+                "refused": refused}
 
 
-async def run(url: str, app: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    results: list[tuple[float, int, int]] = []
-    limits = httpx.Limits(max_connections=args.concurrency + 2)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        before = (await client.get(f"/{app}/v1/cluster")).json()["totals"]
-
-        async def worker() -> None:
-            while not queue.empty():
-                results.append(await one(client, app, queue.get_nowait(), args.max_tokens))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        elapsed = time.perf_counter() - start
-        await asyncio.sleep(0.5)
-        after = (await client.get(f"/{app}/v1/cluster")).json()["totals"]
-    q = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    return {"ttft": [t for t, _, _ in results], "tokens": sum(n for _, n, _ in results), "elapsed": elapsed,
-            "refused": sum(r for _, _, r in results), "queries": q,
-            "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1] if len(xs) > 1 else xs[0]
 
 
-def start(args: argparse.Namespace) -> str:
+def start_ray(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
-
-    from deployments.app import AppArgs, build_app
     args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-cluster-", dir="/tmp")
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
              _temp_dir=args.temp_dir, _node_ip_address="127.0.0.1", object_store_memory=256 * 2**20)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    engine = dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16)
+    return f"http://127.0.0.1:{args.port}"
+
+
+def app_args(args: argparse.Namespace, **over: Any) -> Any:
+    from deployments.app import AppArgs
+    engine = {**dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16),
+              **over.pop("engine", {})}
     common = dict(model=args.model, engine=engine, num_replicas=2, replica_num_cpus=args.ray_cpus * 0.2,
                   router_num_cpus=args.ray_cpus * 0.05, torch_threads=args.threads)
-    kv = AppArgs(**common, request_router=json.loads(args.router))
-    serve.run_many([serve.RunTarget(build_app(kv), name="kv", route_prefix="/kv"),
-                    serve.RunTarget(build_app(AppArgs(**common, request_router=None)), name="p2c",
-                                    route_prefix="/p2c")])
-    url = f"http://127.0.0.1:{args.port}"
-    for app in ROUTERS:
+    return AppArgs(**{**common, **over})
+
+
+def deploy(url: str, apps: dict[str, Any]) -> None:
+    from ray import serve
+
+    from deployments.app import build_app
+    serve.run_many([serve.RunTarget(build_app(a), name=name, route_prefix=f"/{name}") for name, a in apps.items()])
+    for name in apps:
         for _ in range(4):
-            httpx.post(f"{url}/{app}/v1/completions", json={"prompt": [7] * 40, "max_tokens": 4}, timeout=60)
-    return url
+            httpx.post(f"{url}/{name}/v1/completions", json={"prompt": [7] * 40, "max_tokens": 4}, timeout=60)
 
 
-def pct(xs: list[float], q: float) -> float:
-    return 1000 * statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
+async def closed_loop(url: str, path: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                      retry: bool = True) -> tuple[list[dict[str, Any]], float]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=concurrency + 2)) as c:
+        async def worker() -> None:
+            while not queue.empty():
+                results.append(await stream_one(c, path, queue.get_nowait(), max_tokens, retry))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
 
 
-def table(res: dict[str, list[dict[str, Any]]]) -> str:
-    rows = ["| router | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | prefix-cache hit rate | 429s |",
-            "|---|---:|---:|---:|---:|---:|"]
+async def totals(url: str, path: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        return (await c.get(f"{path}/v1/cluster")).json()["totals"]
+
+
+def routing(url: str, args: argparse.Namespace) -> None:
+    deploy(url, {"kv": app_args(args, request_router=json.loads(args.router)), "p2c": app_args(args, request_router=None)})
+    res: dict[str, list[dict[str, Any]]] = {app: [] for app in ROUTERS}
+    rounds = [make_round(args, seed=r) for r in range(args.rounds)]
+    for rnd, prompts in enumerate(rounds):
+        for app in (list(ROUTERS) if rnd % 2 == 0 else list(ROUTERS)[::-1]):
+            before = asyncio.run(totals(url, f"/{app}"))
+            out, elapsed = asyncio.run(closed_loop(url, f"/{app}", prompts, args.max_tokens, args.concurrency))
+            time.sleep(0.5)
+            after = asyncio.run(totals(url, f"/{app}"))
+            r = {"ttft": [o["ttft"] for o in out if o["status"] == 200], "tokens": sum(o.get("tokens", 0) for o in out),
+                 "elapsed": elapsed, "refused": sum(o["refused"] for o in out),
+                 "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+                 "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
+            res[app].append(r)
+            print(f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], .5):.1f} ms, "
+                  f"hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s", flush=True)
+    oracle = oracle_hit_rate(rounds, args.num_blocks)
+    print(f"\n{args.model}, 2 replicas x {args.num_blocks} KV blocks, router {args.router}, {args.system_prompts} system "
+          f"prompts x {args.system_len} tokens, {args.rounds} x {args.requests} requests, concurrency "
+          f"{args.concurrency}, {args.max_tokens} output tokens\n")
+    print("| router | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | prefix-cache hit rate | 429s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    stat = {}
     for app, runs in res.items():
         ttft = [t for r in runs for t in r["ttft"]]
         tps = sum(r["tokens"] for r in runs) / sum(r["elapsed"] for r in runs)
         hit = sum(r["hits"] for r in runs) / max(1, sum(r["queries"] for r in runs))
-        rows.append(f"| {ROUTERS[app]} | {pct(ttft, .5):.1f} | {pct(ttft, .99):.1f} | {tps:.1f} | {hit:.1%} | "
-                    f"{sum(r['refused'] for r in runs)} |")
-    return "\n".join(rows)
+        stat[app] = (pct(ttft, .5), pct(ttft, .99), hit)
+        print(f"| {ROUTERS[app]} | {1000 * stat[app][0]:.1f} | {1000 * stat[app][1]:.1f} | {tps:.1f} | {hit:.1%} | "
+              f"{sum(r['refused'] for r in runs)} |")
+    print(f"| oracle (knows every cache; sequential simulation) | | | | {oracle:.1%} | |")
+    print(f"\nKV-aware vs power of two: TTFT p50 {100 * (stat['kv'][0] / stat['p2c'][0] - 1):+.1f}% (target <= -35%), "
+          f"p99 {100 * (stat['kv'][1] / stat['p2c'][1] - 1):+.1f}% (target <= 0); hit rate "
+          f"{100 * (stat['kv'][2] - oracle):+.1f} points vs oracle (target within 5)")
+
+
+async def sample_pressure(actor: Any, stop: asyncio.Event, every_s: float, out: list[tuple[float, dict, dict]]) -> None:
+    while not stop.is_set():
+        snap = await actor.snapshot.remote()
+        out.append((time.perf_counter(), {r["replica_id"]: r["pressure"] for r in snap["replicas"]},
+                    {r["replica_id"]: (r["num_running"], r["num_waiting"], round(r["queue_time_s"], 2),
+                                       r["num_preemptions"]) for r in snap["replicas"]}))
+        await asyncio.sleep(every_s)
+
+
+def longest_above(samples: list[tuple[float, dict, dict]], high: float) -> float:
+    longest, since = 0.0, {}
+    for t, rows, _ in samples:
+        for rid, p in rows.items():
+            if p > high:
+                since.setdefault(rid, t)
+                longest = max(longest, t - since[rid])
+            else:
+                since.pop(rid, None)
+    return longest
+
+
+async def open_loop(url: str, path: str, rate: float, duration: float, prompt_len: tuple[int, int], max_tokens: int,
+                    seed: int, actor: Any = None) -> tuple[list[dict[str, Any]], list[tuple[float, dict, dict]]]:
+    rng = random.Random(seed)
+    samples: list[tuple[float, dict, dict]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_pressure(actor, stop, 0.02, samples)) if actor is not None else None
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=2000)) as c:
+        tasks, start = [], time.perf_counter()
+        while time.perf_counter() - start < duration:
+            prompt = rand_tokens(rng, rng.randint(*prompt_len))
+
+            async def one(prompt: list[int] = prompt, sent: float = time.perf_counter()) -> dict[str, Any]:
+                return {**await stream_one(c, path, prompt, max_tokens, retry=False), "sent": sent}
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    stop.set()
+    if sampler is not None:
+        await sampler
+    return list(results), samples
+
+
+def overload(url: str, args: argparse.Namespace, routers: int) -> None:
+    import ray
+    from ray import serve
+    kv_bound = args.scenario == "two-routers" or routers > 1
+    name = f"slo{routers}" + ("kv" if kv_bound else "")
+    engine = {"num_blocks": args.kv_bound_blocks} if kv_bound else {}
+    deploy(url, {name: app_args(args, engine=engine, router_replicas=routers, max_queue_time_s=args.max_queue_time,
+                                admission=json.loads(args.admission))})
+    prompt_len = tuple(args.kv_bound_prompt_len if kv_bound else args.overload_prompt_len)
+    rng = random.Random(7)
+    warm = [rand_tokens(rng, rng.randint(*prompt_len)) for _ in range(args.capacity_requests)]
+    out, elapsed = asyncio.run(closed_loop(url, f"/{name}", warm, args.overload_max_tokens, 2 * args.max_num_seqs))
+    capacity = sum(o["status"] == 200 for o in out) / elapsed
+    rate = args.overload * capacity
+    print(f"\n{name}: {routers} router replica(s), admission {args.admission}, capacity {capacity:.2f} req/s closed-loop "
+          f"({2 * args.max_num_seqs} clients); offering {rate:.1f} req/s for {args.duration:.0f} s", flush=True)
+    actor = serve.get_deployment_handle("LLMReplica", app_name=name).admission.remote().result()
+    results, samples = asyncio.run(open_loop(url, f"/{name}", rate, args.duration, prompt_len,
+                                             args.overload_max_tokens, seed=11, actor=actor))
+    ok = [r for r in results if r["status"] == 200 and r["tokens"] == args.overload_max_tokens]
+    refused = [r for r in results if r["status"] == 429]
+    no_retry_after = sum(1 for r in refused if not r.get("retry_after"))
+    lost = len(results) - len(ok) - len(refused)
+    deadline, whole = time.time() + 30, False
+    while time.time() < deadline and not whole:
+        snap = ray.get(actor.snapshot.remote())
+        whole = all(r["kv_blocks_free"] == r["kv_blocks_total"] and r["num_running"] == r["num_waiting"] == 0
+                    for r in snap["replicas"]) and len(snap["replicas"]) == 2
+        time.sleep(0.2)
+    ttft = [r["ttft"] for r in ok]
+    codes = sorted({r.get("code") for r in refused} - {None})
+    high = snap["config"]["high_watermark"]
+    print(f"| requests | 200 (complete) | 429 | 429 without Retry-After | lost | admitted TTFT p50 | admitted TTFT p99 "
+          f"| pools whole after |\n|---:|---:|---:|---:|---:|---:|---:|---|\n| {len(results)} | {len(ok)} | "
+          f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost} | {pct(ttft, .5):.2f} s | "
+          f"{pct(ttft, .99):.2f} s | {whole} |")
+    if lost:
+        print("lost:", [r for r in results if r not in ok and r not in refused][:5])
+    peak = max((p for _, rows, _ in samples for p in rows.values()), default=0.0)
+    t0 = samples[0][0] if samples else 0.0
+    for r in sorted(ok, key=lambda r: -r["ttft"])[:3]:
+        at = next((q for t, _, q in samples if t >= r["sent"]), None)
+        print(f"slow: sent at {r['sent'] - t0:.2f} s, TTFT {r['ttft']:.2f} s; replicas (running, waiting, estimated "
+              f"queue s, preemptions) then: {at}")
+    print(f"KV pressure sampled every 20 ms ({len(samples)} samples): peak {peak:.2f}, longest above the high "
+          f"watermark {high:.2f}: {1000 * longest_above(samples, high):.0f} ms (stats push 100 ms, router refresh "
+          f"50 ms); target admitted TTFT p99 <= {args.max_queue_time + 0.5:.1f} s")
+    serve.delete(name)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", choices=["routing", "overload", "two-routers", "all"], default="routing")
     p.add_argument("--model", default="demo:tiny")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=128, help="per round and router")
@@ -128,6 +293,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=224, help="per replica; about half the system prompts fit")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
+    p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
+    p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
+    p.add_argument("--overload", type=float, default=10.0, help="offered load / measured capacity")
+    p.add_argument("--max-queue-time", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of open-loop arrivals")
+    p.add_argument("--capacity-requests", type=int, default=48)
+    p.add_argument("--overload-prompt-len", type=int, nargs=2, default=(64, 128))
+    p.add_argument("--overload-max-tokens", type=int, default=128)
+    p.add_argument("--kv-bound-blocks", type=int, default=96, help="two-routers: per replica, below what slots hold")
+    p.add_argument("--kv-bound-prompt-len", type=int, nargs=2, default=(160, 256))
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -137,27 +312,20 @@ def main() -> None:
     args = p.parse_args()
     import ray
     from ray import serve
-    url = start(args)
+    url = start_ray(args)
     try:
-        res: dict[str, list[dict[str, Any]]] = {app: [] for app in ROUTERS}
-        for rnd in range(args.rounds):
-            prompts = make_round(args, seed=rnd)
-            for app in (list(ROUTERS) if rnd % 2 == 0 else list(ROUTERS)[::-1]):
-                res[app].append(asyncio.run(run(url, app, prompts, args)))
-                r = res[app][-1]
-                print(f"round {rnd} {app}: TTFT p50 {pct(r['ttft'], .5):.1f} ms, "
-                      f"hit rate {r['hits'] / max(1, r['queries']):.1%}, {r['elapsed']:.1f} s", flush=True)
+        if args.scenario in ("routing", "all"):
+            routing(url, args)
+            serve.delete("kv")
+            serve.delete("p2c")
+        if args.scenario in ("overload", "all"):
+            overload(url, args, routers=1)
+        if args.scenario in ("two-routers", "all"):
+            overload(url, args, routers=args.routers)
     finally:
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(args.temp_dir, ignore_errors=True)
-    print(f"\n{args.model}, 2 replicas x {args.num_blocks} KV blocks, router {args.router}, {args.system_prompts} system prompts x "
-          f"{args.system_len} tokens, {args.rounds} x {args.requests} requests, concurrency {args.concurrency}, "
-          f"{args.max_tokens} output tokens\n")
-    print(table(res))
-    kv = pct([t for r in res["kv"] for t in r["ttft"]], .5)
-    p2c = pct([t for r in res["p2c"] for t in r["ttft"]], .5)
-    print(f"\nTTFT p50, KV-aware vs power of two: {100 * (kv / p2c - 1):+.1f}% (target -30%)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,22 @@
-"""Cluster-wide admission: per-replica KV watermarks with hysteresis over pushed replica stats.
+"""Cluster-wide admission: per-replica KV watermarks with hysteresis over pushed replica stats, and (with
+`max_queue_time_s`) a queue-time objective from the replicas' measured service rates.
 
 One `AdmissionActor` per app (cluster/admission_actor.py) holds the cluster's source of truth; replicas
-push stats to it every <= 100 ms. Each router keeps its own controller, refreshed in the background
-from `actor.snapshot()` through `restore(snapshot, now)`, and asks `decide(...)` locally per request:
-no remote call on the request path. Admitted prompts are `reserve`d on the router until stats received `settle_s` later can reflect
-them. Staleness is measured by receipt time on the actor and carried as an age in snapshots, so clocks
-of different hosts never get compared.
+push stats and KV events to it every <= 100 ms. Each router keeps its own controller, refreshed in the
+background from the actor (`restore(snapshot, now)`), and asks `decide(...)` locally per request: no remote
+call on the request path. An admitted prompt is `reserve`d at once on the router, sent to the actor with
+the next refresh and from then on counted there for every router, until stats received `settle_s` after it
+reached the actor can reflect it. Reservations carry the prompt's block keys: blocks on their way to a
+replica attract its prefix as if cached. Staleness is measured by receipt time on the actor and carried as
+an age in snapshots, so clocks of different hosts never get compared.
 """
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+import math
+from typing import Any, Iterable, Sequence
 
-from cluster.stats import BLOCK_SIZE, ReplicaStats
+from cluster.kv_index import KVIndex
+from cluster.queue_time import queue_time_s, retry_after_s
+from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats
 
 @dataclass(frozen=True)
 class Watermarks:
@@ -34,12 +40,21 @@ class AdmissionConfig:
     max_queued: int = 0
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
+    max_queue_time_s: float = 0.0
+    count_output_blocks: bool = False  # KV demand includes running and admitted requests' max_tokens growth
+    queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
+    rate_window_s: float = 4.0
+    affinity_weight: float = 1.0
+    headroom_weight: float = 0.5
+    queue_weight: float = 0.5
 
     def __post_init__(self) -> None:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
         assert 0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"
         assert self.settle_s >= 0.0 and self.retry_after_s >= 0.0 and self.block_size >= 1
         assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
+        assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
+        assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
 
     @property
     def watermarks(self) -> Watermarks:
@@ -52,6 +67,19 @@ class Decision:
     replicas: list[str] = field(default_factory=list)
     retry_after_s: float = 0.0
     reason: str = "ok"
+    cached_blocks: dict[str, int] = field(default_factory=dict)
+    queue_time_s: float = 0.0
+    new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """An admitted request not yet in its replica's stats. `at`: when this process learnt of it."""
+    replica_id: str
+    at: float
+    blocks: int
+    requests: int = 1
+    keys: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -59,30 +87,43 @@ class ReplicaEntry:
     stats: ReplicaStats
     received_at: float
     saturated: bool
+    rates: Rates = field(default_factory=Rates)
+    shared_blocks: int = 0  # other processes' reservations, as the actor counts them (router side)
+    shared_requests: int = 0
+    shared_keys: frozenset = frozenset()
 
 
 class AdmissionController:
     def __init__(self, config: AdmissionConfig | None = None):
         self.config = config or AdmissionConfig()
         self.replicas: dict[str, ReplicaEntry] = {}
-        self._reserved: dict[str, list[tuple[float, int]]] = {}
+        self._reserved: dict[str, list[Reservation]] = {}
+        self.inflight: list[Reservation] = []  # sent to the actor, not yet in a snapshot (router side)
+        self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
+        self.kv = KVIndex()
 
-    def update(self, stats: ReplicaStats, now: float) -> None:
+    def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
+        """Takes a stats push (and its KV events); True when the replica must list its KV keys (reset)."""
         prev = self.replicas.get(stats.replica_id)
         if prev is not None and stats.timestamp < prev.stats.timestamp:
-            return
+            return False
         saturated = self.config.watermarks.saturated(
             prev.saturated if prev else False, stats.pressure(self.config.block_size))
         if self.config.saturate_on_preemption and prev and stats.num_preemptions > prev.stats.num_preemptions:
             saturated = True
-        self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated)
+        rates = prev.rates.update(prev.stats, stats, self.config.rate_window_s) if prev else Rates()
+        self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
         self._settle(stats.replica_id)
+        if kv_events is None:
+            return False
+        return self.kv.apply(stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()),
+                             bool(kv_events.get("reset")))
 
     def _settle(self, replica_id: str) -> None:
         """Drop reservations that stats received at least `settle_s` after them already include."""
         entry = self.replicas.get(replica_id)
-        left = [(t, n) for t, n in self._reserved.get(replica_id, ())
-                if entry is not None and entry.received_at < t + self.config.settle_s]
+        left = [r for r in self._reserved.get(replica_id, ())
+                if entry is not None and entry.received_at < r.at + self.config.settle_s]
         if left:
             self._reserved[replica_id] = left
         else:
@@ -91,6 +132,7 @@ class AdmissionController:
     def forget(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
         self._reserved.pop(replica_id, None)
+        self.kv.forget(replica_id)
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         keep = set(replica_ids)
@@ -109,10 +151,54 @@ class AdmissionController:
     def open(self, entry: ReplicaEntry, now: float) -> bool:
         return self.fresh(entry, now) and not entry.saturated
 
+    def _own(self, replica_id: str) -> list[Reservation]:
+        return self._reserved.get(replica_id, []) + [r for r in self.inflight if r.replica_id == replica_id]
+
+    def reserved(self, replica_id: str) -> tuple[int, int]:
+        """(blocks, requests) admitted to the replica that its stats cannot include yet, every router's.
+        Own reservations the actor has not shared yet count once per router: until the next refresh each of
+        the others may be admitting as much, unseen."""
+        entry, own, k = self.replicas[replica_id], self._own(replica_id), self.num_routers
+        return (entry.shared_blocks + k * sum(r.blocks for r in own),
+                entry.shared_requests + k * sum(r.requests for r in own))
+
     def room(self, replica_id: str) -> int:
-        entry = self.replicas[replica_id]
-        reserved = sum(n for _, n in self._reserved.get(replica_id, ()))
-        return entry.stats.room_blocks(self.config.block_size) - reserved
+        stats, bs = self.replicas[replica_id].stats, self.config.block_size
+        growth = -(-sum(stats.tokens_left) // bs) if self.config.count_output_blocks else 0
+        return stats.room_blocks(bs) - self.reserved(replica_id)[0] - growth
+
+    def pending_keys(self, replica_id: str) -> set[bytes]:
+        keys = set(self.replicas[replica_id].shared_keys)
+        for r in self._own(replica_id):
+            keys.update(r.keys)
+        return keys
+
+    def shared_blocks(self, replica_id: str, keys: Sequence[bytes]) -> int:
+        """Leading blocks of a prompt that requests reserved on the replica bring anyway: in use when it runs,
+        shared, costing no new block (a cached but idle block does cost one: it leaves the free pool)."""
+        pending = self.pending_keys(replica_id) if keys else ()
+        return next((i for i, k in enumerate(keys) if k not in pending), len(keys))
+
+    def cached_blocks(self, replica_id: str, keys: Sequence[bytes]) -> int | None:
+        """Leading blocks of a prompt the replica holds or is about to (reservations); None: not reported."""
+        if not self.kv.reported(replica_id):
+            return None
+        return self.kv.match(replica_id, keys, self.pending_keys(replica_id))
+
+    def queue_time(self, replica_id: str) -> float:
+        """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety."""
+        e = self.replicas[replica_id]
+        blocks, requests = self.reserved(replica_id)
+        wait = queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size)
+        return wait * self.config.queue_time_safety
+
+    def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
+        """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks."""
+        cfg, e = self.config, self.replicas[replica_id]
+        affinity = (cached or 0) / len(keys) if keys else 0.0
+        load = e.stats.num_running + e.stats.num_waiting + self.reserved(replica_id)[1]
+        headroom = min(1.0, max(0.0, 1.0 - self.pressure(replica_id)))
+        return cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
 
     def pressure(self, replica_id: str) -> float:
         """KV demand / capacity, counting this controller's reservations."""
@@ -122,14 +208,36 @@ class AdmissionController:
     def pressures(self, now: float) -> dict[str, float]:
         return {rid: self.pressure(rid) for rid, e in self.replicas.items() if self.fresh(e, now)}
 
-    def reserve(self, replica_id: str, num_blocks: int, now: float) -> None:
-        """Charge an admitted prompt to a replica until stats that can include it arrive (router-side)."""
+    def reserve(self, replica_id: str, num_blocks: int, now: float, requests: int = 1,
+                keys: Sequence[bytes] = ()) -> None:
+        """Charge an admitted request to a replica until stats that can include it arrive."""
         if replica_id in self.replicas:
-            self._reserved.setdefault(replica_id, []).append((now, num_blocks))
+            self._reserved.setdefault(replica_id, []).append(
+                Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
+            self._settle(replica_id)
 
-    def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None) -> Decision:
+    def take_reservations(self) -> list[Reservation]:
+        """Router side: this process's reservations, to send to the actor; counted as in flight until the
+        next `restore` (whose snapshot includes them) or `untake` (the send failed)."""
+        taken = [r for rs in self._reserved.values() for r in rs]
+        self._reserved = {}
+        self.inflight += taken
+        return taken
+
+    def untake(self, taken: list[Reservation]) -> None:
+        ids = {id(r) for r in taken}
+        self.inflight = [r for r in self.inflight if id(r) not in ids]
+        for r in taken:
+            self._reserved.setdefault(r.replica_id, []).append(r)
+
+    def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None,
+               keys: Sequence[bytes] = (), output_blocks: int = 0) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
-        sequence (defaults to the whole), which alone decides `prompt_too_large`."""
+        sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
+        keys, for the ranking; `output_blocks`: its max_tokens' blocks, counted with `count_output_blocks`.
+        Admitted: the replicas with room, best first (the KV-aware router's score); with `max_queue_time_s`,
+        only those whose queue time is within it, else a refusal `queue_time` whose Retry-After is when the
+        shortest queue is due to be back within it."""
         retry = self.config.retry_after_s
         if not self.replicas:
             return Decision(False, [], retry, "no_replicas")
@@ -142,19 +250,34 @@ class AdmissionController:
         open_ = [rid for rid in fresh if not self.replicas[rid].saturated]
         if not open_:
             return Decision(False, [], retry, "saturated")
-        fits = sorted((rid for rid in open_
-                       if self.room(rid) >= min(num_prompt_blocks, self.replicas[rid].stats.kv_blocks_total)),
-                      key=self.room, reverse=True)
+        grow = output_blocks if self.config.count_output_blocks else 0
+        need = {rid: max(0, num_prompt_blocks - self.shared_blocks(rid, keys)) + grow for rid in open_}
+        fits = [rid for rid in open_ if self.room(rid) >= min(need[rid], self.replicas[rid].stats.kv_blocks_total)]
         if not fits:
             return Decision(False, [], retry, "no_room")
-        return Decision(True, fits, 0.0, "ok")
+        wait = {rid: self.queue_time(rid) for rid in fits}
+        limit = self.config.max_queue_time_s
+        if limit > 0:
+            best = min(wait.values())
+            fits = [rid for rid in fits if wait[rid] <= limit]
+            if not fits:
+                return Decision(False, [], retry_after_s(best, limit, retry), "queue_time",
+                                queue_time_s=best)
+        cached = {rid: c for rid in fits if (c := self.cached_blocks(rid, keys)) is not None}
+        fits.sort(key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid))
+        return Decision(True, fits, 0.0, "ok", cached, wait[fits[0]], need[fits[0]])
 
     def snapshot(self, now: float) -> dict[str, Any]:
         rows = []
         for rid, e in sorted(self.replicas.items()):
+            blocks, requests = self.reserved(rid)
+            wait = self.queue_time(rid)
             rows.append({**e.stats.to_dict(), "age_s": max(0.0, now - e.received_at),
                          "saturated": e.saturated, "fresh": self.fresh(e, now), "admitting": self.open(e, now),
-                         "room_blocks": self.room(rid), "pressure": e.stats.pressure(self.config.block_size)})
+                         "room_blocks": self.room(rid), "pressure": e.stats.pressure(self.config.block_size),
+                         "reserved_blocks": blocks, "reserved_requests": requests, "rates": e.rates.to_dict(),
+                         "queue_time_s": wait if math.isfinite(wait) else -1.0,
+                         "kv_index_reported": self.kv.reported(rid), "kv_index_blocks": self.kv.size(rid)})
         total = sum(r["kv_blocks_total"] for r in rows)
         free = sum(r["kv_blocks_free"] for r in rows)
         queries = sum(r["prefix_cache_queries"] for r in rows)
@@ -179,12 +302,26 @@ class AdmissionController:
             },
         }
 
+    def kv_snapshot(self, since: int | None) -> dict[str, Any]:
+        """The KV index's changes since version `since`, and each replica's reserved block keys."""
+        return {"changes": self.kv.changes(since),
+                "pending": {rid: sorted(self.pending_keys(rid)) for rid in self.replicas}}
+
     def restore(self, snapshot: dict[str, Any], now: float) -> None:
         """Replace config and state with an actor snapshot; ages are re-based onto this process's clock.
-        Own reservations the snapshot cannot include yet are kept."""
+        The snapshot's reservations become shared ones (they include this process's in-flight ones); own
+        reservations not sent yet are kept. A snapshot's "kv" part (`kv_snapshot`) updates the KV index."""
         self.config = AdmissionConfig(**snapshot["config"])
-        self.replicas = {r["replica_id"]: ReplicaEntry(ReplicaStats.from_dict(r), now - r["age_s"], r["saturated"])
-                         for r in snapshot["replicas"]}
+        kv = snapshot.get("kv") or {}
+        pending = kv.get("pending", {})
+        self.replicas = {r["replica_id"]: ReplicaEntry(
+            ReplicaStats.from_dict(r), now - r["age_s"], r["saturated"], Rates(**r.get("rates", {})),
+            r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())))
+            for r in snapshot["replicas"]}
+        self.inflight = []
+        self.num_routers = max(1, int(snapshot.get("routers", 1)))
+        if "changes" in kv:
+            self.kv.load(kv["changes"])
         for rid in list(self._reserved):
             self._settle(rid)
 

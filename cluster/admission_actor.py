@@ -1,20 +1,25 @@
 """The admission actor and its router-side client.
 
 `AdmissionActor` is a Serve deployment-scoped actor of the LLM replica deployment, so it lives and
-dies with the app: replicas `report` their stats every <= 100 ms and `forget` themselves on shutdown;
-silent replicas go stale (count as saturated), then are dropped. `AdmissionClient` keeps a router's
-local `AdmissionController` restored from the actor's snapshots.
+dies with the app: replicas `report` their stats and KV events every <= 100 ms and `forget` themselves on
+shutdown; silent replicas go stale (count as saturated), then are dropped. `AdmissionClient` keeps a
+router's local `AdmissionController` in step with the actor: each refresh is one `sync` call that hands
+over the router's new reservations and returns a snapshot with every router's reservations and the KV
+index's changes since the router's last version, so several routers see each other's decisions within
+one refresh.
 """
 import asyncio
 from dataclasses import replace
 import logging
 import time
-from typing import Any, Awaitable, Callable
+import uuid
+from typing import Any, Awaitable, Callable, Sequence
 
 from cluster.admission import AdmissionConfig, AdmissionController, Decision
 from cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
+ROUTER_TTL_S = 5.0
 
 
 class AdmissionActor:
@@ -23,11 +28,31 @@ class AdmissionActor:
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.time):
         self.clock = clock
         self.controller = AdmissionController(AdmissionConfig(**(config or {})))
+        self.routers: dict[str, float] = {}
 
-    def report(self, stats: dict[str, Any]) -> None:
+    def report(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """A replica's push: its stats and, under "kv_events", its KVEvents dict. The answer asks for a full
+        listing of its KV keys when the index has none for it (first contact, or this actor restarted)."""
         now = self.clock()
-        self.controller.update(ReplicaStats.from_dict(stats), now)
+        reset = self.controller.update(ReplicaStats.from_dict(stats), now, stats.get("kv_events"))
         self.controller.expire(now)
+        return {"kv_reset": reset}
+
+    def sync(self, reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
+             kv_since: int | None = None, router_id: str | None = None) -> dict[str, Any]:
+        """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
+        keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
+        and "routers": how many routers synced in the last `ROUTER_TTL_S`."""
+        now = self.clock()
+        if router_id is not None:
+            self.routers[router_id] = now
+        self.routers = {r: t for r, t in self.routers.items() if now - t <= ROUTER_TTL_S}
+        for replica_id, age_s, blocks, requests, keys in reservations:
+            self.controller.reserve(replica_id, blocks, now - max(0.0, age_s), requests, keys)
+        snap = self.snapshot()
+        snap["kv"] = self.controller.kv_snapshot(kv_since)
+        snap["routers"] = max(1, len(self.routers))
+        return snap
 
     def forget(self, replica_id: str) -> None:
         self.controller.forget(replica_id)
@@ -59,18 +84,29 @@ class AdmissionClient:
         self.fetched_at = float("-inf")
         self.queued = 0
         self._refreshed = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self.kv_version: int | None = None
+        self.router_id = uuid.uuid4().hex
 
     async def refresh(self) -> dict[str, Any]:
-        try:
-            if self._actor is None:
-                self._actor = await self._get_actor()
-            snapshot = await asyncio.wait_for(self._actor.snapshot.remote(), timeout=2.0)
-        except Exception:
-            self._actor = None
-            raise
-        self.fetched_at = self.clock()
-        self.controller.restore(snapshot, self.fetched_at)
-        self.snapshot = snapshot
+        async with self._lock:
+            taken = self.controller.take_reservations()
+            try:
+                if self._actor is None:
+                    self._actor = await self._get_actor()
+                now = self.clock()
+                sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
+                call = self._actor.sync.remote(sent, self.kv_version, self.router_id)
+                snapshot = await asyncio.wait_for(call, timeout=2.0)
+            except Exception:
+                self._actor = None
+                self.controller.untake(taken)
+                raise
+            self.fetched_at = self.clock()
+            self.controller.restore(snapshot, self.fetched_at)
+            self.kv_version = snapshot["kv"]["changes"]["version"]
+            snapshot.pop("kv")
+            self.snapshot = snapshot
         event, self._refreshed = self._refreshed, asyncio.Event()
         event.set()
         return snapshot
@@ -88,17 +124,19 @@ class AdmissionClient:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def decide(self, num_prompt_blocks: int, largest_blocks: int | None = None) -> Decision:
-        """Admit (reserving the prompt's blocks on the roomiest replica) or refuse."""
+    async def decide(self, num_prompt_blocks: int, largest_blocks: int | None = None,
+                     keys: Sequence[bytes] = (), num_seqs: int = 1, output_blocks: int = 0) -> Decision:
+        """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
+        refuse; `keys`: the prompt's block keys."""
         now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
         if not d.admit and d.reason in ("no_replicas", "stale") and now - self.fetched_at > self.refresh_s:
             try:
                 await self.refresh()
             except Exception:
                 return d
             now = self.clock()
-            d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
+            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
         cfg = self.controller.config
         if not d.admit and d.reason in ("saturated", "no_room") and self.queued < cfg.max_queued:
             deadline, self.queued = now + cfg.queue_timeout_s, self.queued + 1
@@ -109,9 +147,9 @@ class AdmissionClient:
                     except asyncio.TimeoutError:
                         pass
                     now = self.clock()
-                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks)
+                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
             finally:
                 self.queued -= 1
         if d.admit:
-            self.controller.reserve(d.replicas[0], num_prompt_blocks, now)
+            self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
         return d

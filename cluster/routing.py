@@ -16,8 +16,13 @@ Wiring (Ray Serve 2.60):
   carries it, else the routing stats'.
 - Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
   admission (`serve.get_replica_context().replica_id.unique_id`).
-- The prefix index learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted
-  the request (the default, strict max_ongoing_requests path).
+- With a hint from admission, the router follows admission's ranking (`follow_admission`): admission
+  scored the replicas the same way with its fresher view and reserved the request on its first one;
+  the router still skips saturated replicas and moves off an overloaded one (Ray's in-flight counts).
+- Prefix affinity: for replicas whose real KV contents admission knows (their KV events, plus
+  prompts reserved there), the hint's `cached_blocks`; for the others, this router's own guess, a
+  `PrefixIndex` that learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted the
+  request (the default, strict max_ongoing_requests path).
 """
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,20 +34,28 @@ from cluster.prefix_index import PrefixIndex
 from cluster.stats import BLOCK_SIZE, ReplicaStats, block_hashes, num_blocks
 
 
+MAX_PREFIX_BLOCKS = 256
+
+
 @dataclass(frozen=True)
 class RoutingHint:
-    """What the caller knows: the prompt's block hashes, and from admission (fresher than routing stats)
-    the replicas with room for it and each replica's KV pressure including prompts just admitted."""
+    """What the caller knows: the prompt's block keys, and from admission (fresher than routing stats)
+    the replicas with room for it, each replica's KV pressure including prompts just admitted, and the
+    leading blocks of the prompt each reported replica really holds."""
     prefix_hashes: tuple[bytes, ...] = ()
     num_prompt_blocks: int = 0
     replicas: tuple[str, ...] = ()
     pressure: dict[str, float] = field(default_factory=dict)
+    cached_blocks: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_token_ids(cls, token_ids: Sequence[int], block_size: int = BLOCK_SIZE, replicas: Sequence[str] = (),
-                       pressure: dict[str, float] | None = None) -> "RoutingHint":
-        return cls(tuple(block_hashes(token_ids, block_size)), num_blocks(len(token_ids), block_size), tuple(replicas),
-                   dict(pressure or {}))
+                       pressure: dict[str, float] | None = None, salt: str | None = None,
+                       cached_blocks: dict[str, int] | None = None, keys: Sequence[bytes] | None = None,
+                       ) -> "RoutingHint":
+        keys = block_hashes(token_ids, block_size, salt, MAX_PREFIX_BLOCKS) if keys is None else keys
+        return cls(tuple(keys), num_blocks(len(token_ids), block_size), tuple(replicas), dict(pressure or {}),
+                   dict(cached_blocks or {}))
 
 
 def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None:
@@ -62,6 +75,7 @@ class RouterConfig:
     max_queue_imbalance: int = 8
     max_pressure_imbalance: float = 0.5
     max_blocks_per_replica: int = 65536
+    follow_admission: bool = True
     block_size: int = BLOCK_SIZE
 
 
@@ -87,16 +101,20 @@ class Scored:
 
 
 def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[bytes], index: PrefixIndex,
-                   cfg: RouterConfig, was_saturated: dict[str, bool] | None = None) -> list[Scored]:
-    """Scores, best first. Replicas with neither stats nor a pressure count as empty."""
+                   cfg: RouterConfig, was_saturated: dict[str, bool] | None = None,
+                   cached_blocks: dict[str, int] | None = None) -> list[Scored]:
+    """Scores, best first. Replicas with neither stats nor a pressure count as empty. Affinity: the leading
+    blocks a replica holds (`cached_blocks`, real contents) or else, unreported, `index`'s guess."""
     marks = Watermarks(cfg.high_watermark, cfg.low_watermark)
-    was_saturated = was_saturated or {}
+    was_saturated, cached_blocks = was_saturated or {}, cached_blocks or {}
     out = []
     for c in candidates:
         s = c.stats
         pressure = c.pressure if c.pressure is not None else s.pressure(cfg.block_size) if s else 0.0
         load = c.ongoing if c.ongoing is not None else s.num_running + s.num_waiting if s else 0
-        affinity = index.match(c.replica_id, prefix_hashes) / len(prefix_hashes) if prefix_hashes else 0.0
+        held = cached_blocks.get(c.replica_id)
+        held = index.match(c.replica_id, prefix_hashes) if held is None else held
+        affinity = held / len(prefix_hashes) if prefix_hashes else 0.0
         headroom = min(1.0, max(0.0, 1.0 - pressure))
         score = cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
         known = s is not None or c.pressure is not None
@@ -110,15 +128,19 @@ def overloaded(preferred: Scored, least: Scored, cfg: RouterConfig) -> bool:
             or preferred.pressure - least.pressure > cfg.max_pressure_imbalance)
 
 
-def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = ()) -> list[str]:
+def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = (), ordered: bool = False
+           ) -> list[str]:
     """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
     relative to it), then the rest. Saturated replicas only when every replica is saturated;
-    replicas outside `allowed` (admission's list) only after the allowed ones."""
+    replicas outside `allowed` (admission's list) only after the allowed ones; `ordered`: the allowed ones
+    in admission's order (it reserved the request on its first), not by score."""
     usable = [s for s in scored if not s.saturated] or sorted(scored, key=lambda s: (s.load, s.pressure))
     if not usable:
         return []
-    ok = set(allowed)
+    ok = {rid: i for i, rid in enumerate(allowed)}
     pool = [s for s in usable if s.replica_id in ok] or usable
+    if ordered:
+        pool.sort(key=lambda s: ok.get(s.replica_id, len(ok)))
     rest = [s for s in usable if s not in pool]
     preferred = pool[0]
     least = min(pool, key=lambda s: (s.load, s.pressure))
@@ -152,9 +174,10 @@ class KVAwareRequestRouter(RequestRouter):
         self._ensure_state()
         by_id = {r.replica_id.unique_id: r for r in replicas}
         scored = score_replicas(self.candidates(replicas, hint), hint.prefix_hashes if hint else (), self.index,
-                                self.config, self.saturated)
+                                self.config, self.saturated, getattr(hint, "cached_blocks", None))
         self.saturated.update({s.replica_id: s.saturated for s in scored})
-        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
+        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else (),
+                                             self.config.follow_admission)]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

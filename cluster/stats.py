@@ -1,19 +1,18 @@
-"""Plain load snapshots of one replica, and the block hashes the cluster layer keys prefixes by.
+"""Plain load snapshots of one replica, its measured service rates, and the block keys of prompts.
 
 A replica reports `EngineStats.to_dict() | {"replica_id": id}`; `ReplicaStats.from_dict` reads it.
 The replica id is `serve.get_replica_context().replica_id.unique_id` everywhere in cluster/.
 """
 from dataclasses import asdict, dataclass, fields
-import hashlib
 import math
-import struct
 from typing import TYPE_CHECKING, Any, Sequence
+
+from engine import prefix_hash
 
 if TYPE_CHECKING:  # keeps engine (torch) out of the Serve controller, which imports the autoscaling policy
     from engine.stats import EngineStats
 
 BLOCK_SIZE = 16
-HASH_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -27,6 +26,13 @@ class ReplicaStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_finished: int = 0
+    max_num_seqs: int = 0
+    busy_time_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_steps: int = 0
+    tokens_left: tuple[int, ...] = ()
     timestamp: float = 0.0
 
     @classmethod
@@ -34,6 +40,7 @@ class ReplicaStats:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known and v is not None}
         kw["replica_id"] = str(d["replica_id"])
+        kw["tokens_left"] = tuple(kw.get("tokens_left", ()))
         return cls(**kw)
 
     @classmethod
@@ -72,15 +79,40 @@ def num_blocks(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return math.ceil(num_tokens / block_size) if num_tokens > 0 else 0
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """Chain hash per FULL block: h_i = blake2b(h_{i-1} || token ids of block i)."""
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *token_ids[start:start + block_size])
-        parent = hashlib.blake2b(parent + block, digest_size=HASH_BYTES).digest()
-        hashes.append(parent)
-    return hashes
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: str | None = None,
+                 max_blocks: int | None = None) -> list[bytes]:
+    """The engine's own prefix-cache keys of the prompt's full blocks (engine/prefix_hash.py)."""
+    return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Service rates per busy second of the engine (time inside its steps), decayed over `window_s` of busy
+    time: what a queue ahead of a new request drains at. Zero: not measured yet."""
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    finished_per_s: float = 0.0
+    steps_per_s: float = 0.0
+    busy_s: float = 0.0
+    prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
+    finished: float = 0.0
+    steps: float = 0.0
+
+    def update(self, prev: ReplicaStats, cur: ReplicaStats, window_s: float = 4.0) -> "Rates":
+        busy = cur.busy_time_s - prev.busy_time_s
+        if busy <= 0 or cur.busy_time_s < prev.busy_time_s:
+            return self
+        keep = math.exp(-busy / window_s)
+        b = self.busy_s * keep + busy
+        p = self.prefill_tokens * keep + max(0, cur.num_prefill_tokens - prev.num_prefill_tokens)
+        d = self.decode_tokens * keep + max(0, cur.num_decode_tokens - prev.num_decode_tokens)
+        f = self.finished * keep + max(0, cur.num_finished - prev.num_finished)
+        n = self.steps * keep + max(0, cur.num_steps - prev.num_steps)
+        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 def push_due(last: ReplicaStats | None, current: ReplicaStats, last_push_at: float, now: float,

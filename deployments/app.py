@@ -62,6 +62,7 @@ class AppArgs(BaseModel):
     autoscaling: AutoscalingConfig | None = None
     kv_autoscaling: KVAutoscaling | None = None
     admission: dict[str, Any] | None = {}
+    max_queue_time_s: float | None = Field(None, gt=0)
     request_router: dict[str, Any] | None = {}
     request_routing_stats_period_s: float = Field(0.5, gt=0)
     stats_push_s: float = Field(0.1, gt=0, le=0.1)
@@ -99,6 +100,8 @@ class AppArgs(BaseModel):
                 raise ValueError("kv_autoscaling.max_replicas: must be >= min_replicas")
         if self.admission is not None:
             check_fields("admission", AdmissionConfig, self.admission, ("block_size",))
+        elif self.max_queue_time_s is not None:
+            raise ValueError("max_queue_time_s: needs admission (it is off)")
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
@@ -106,6 +109,13 @@ class AppArgs(BaseModel):
     @property
     def block_size(self) -> int:
         return int(self.engine.get("block_size", 16))
+
+    def admission_config(self) -> dict[str, Any]:
+        """Admission ranks replicas with the KV-aware router's weights, so it reserves where the router sends."""
+        weights = {k: v for k, v in (self.request_router or {}).items()
+                   if k in ("affinity_weight", "headroom_weight", "queue_weight")}
+        limit = {} if self.max_queue_time_s is None else {"max_queue_time_s": self.max_queue_time_s}
+        return {**weights, **(self.admission or {}), **limit, "block_size": self.block_size}
 
     def engine_config(self) -> dict[str, Any]:
         return {**self.engine, "model": self.model}
@@ -141,7 +151,7 @@ class AppArgs(BaseModel):
         if self.admission is not None:
             opts["deployment_actors"] = [DeploymentActorConfig(
                 name=ADMISSION_ACTOR, actor_class=ray.remote(AdmissionActor), actor_options={"num_cpus": 0},
-                init_kwargs={"config": {**self.admission, "block_size": self.block_size}})]
+                init_kwargs={"config": self.admission_config()})]
         return opts
 
 

@@ -14,6 +14,7 @@ from deployments.responses import merge_deltas
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
 ADMISSION_ACTOR = "admission"
+MAX_KV_EVENTS = 4096
 log = logging.getLogger("ray.serve")
 
 
@@ -43,17 +44,24 @@ class LLMReplica:
         return self._actor
 
     async def _push_loop(self) -> None:
+        """Stats with the KV events since the last push (at most `MAX_KV_EVENTS`; the rest go next time).
+        Events drained for a push that failed are lost: the next push lists every cached key instead."""
         last, last_at = None, 0.0
         while True:
             await asyncio.sleep(self.stats_push_s / 5)
             current, now = ReplicaStats.from_engine(self.replica_id, self.engine.stats()), time.monotonic()
             if not push_due(last, current, last_at, now, self.stats_push_s):
                 continue
+            events = self.engine.drain_kv_events(MAX_KV_EVENTS)
             try:
-                await asyncio.wait_for(self.admission().report.remote(current.to_dict()), timeout=2.0)
+                answer = await asyncio.wait_for(
+                    self.admission().report.remote({**current.to_dict(), "kv_events": events.to_dict()}), timeout=2.0)
                 last, last_at = current, now
+                if (answer or {}).get("kv_reset"):
+                    self.engine.request_kv_reset()
             except Exception as e:
                 log.warning("stats push to the admission actor failed: %r", e)
+                self.engine.request_kv_reset()
                 self._actor, last = None, None
                 await asyncio.sleep(self.stats_push_s)
 

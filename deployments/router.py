@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from cluster.admission import prometheus_text
 from cluster.admission_actor import AdmissionClient
-from cluster.routing import RoutingHint
-from cluster.stats import num_blocks
+from cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
+from cluster.stats import block_hashes, num_blocks
 from deployments.metrics import RouterMetrics
 from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
@@ -101,21 +101,29 @@ class Router:
         return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
                                priority=req.priority, stream=req.stream)
 
-    async def admit(self, prompts: list[list[int]], n: int, where: str) -> RoutingHint:
+    async def admit(self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0) -> RoutingHint:
         """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
         if self.gate is None:
             return RoutingHint.from_token_ids(prompts[0], self.block_size)
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
-        d = await self.gate.decide(sum(sizes) * n, max(sizes))
+        keys = block_hashes(prompts[0], self.block_size, None, MAX_PREFIX_BLOCKS)
+        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n,
+                                   num_blocks(max_tokens, self.block_size) * len(prompts) * n)
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
             return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas,
-                                              self.gate.controller.pressures(self.gate.clock()))
+                                              self.gate.controller.pressures(self.gate.clock()),
+                                              cached_blocks=d.cached_blocks, keys=keys)
         if d.reason == "prompt_too_large":
             raise APIError(f"the {where} needs {max(sizes)} KV-cache blocks, more than any replica has", param=where)
         if d.reason in ("no_replicas", "stale"):
             raise APIError(f"no replica is reporting its load ({d.reason}); retry later", status=503,
                            type="service_unavailable", code=d.reason, retry_after_s=d.retry_after_s)
+        if d.reason == "queue_time":
+            limit = self.gate.controller.config.max_queue_time_s
+            raise APIError(f"overloaded: every replica's queue is longer than the {limit:g}s objective (shortest "
+                           f"{d.queue_time_s:.1f}s); retry after {d.retry_after_s:g}s", status=429,
+                           type="rate_limit_error", code=d.reason, retry_after_s=d.retry_after_s)
         raise APIError(f"overloaded: no replica has KV-cache room for this request ({d.reason}); retry after "
                        f"{d.retry_after_s:g}s", status=429, type="rate_limit_error", code=d.reason,
                        retry_after_s=d.retry_after_s)
@@ -196,7 +204,7 @@ class Router:
                 prompts, where = self.tokenize_prompts(req.prompt), "prompt"
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where)
                 rid = f"cmpl-{gen_req.request_id}"
-            hint = await self.admit(prompts, req.n, where)
+            hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0)
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
                                       len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode)
             return await self.run(req, gen_req, hint, builder, start)

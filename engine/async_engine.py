@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.kv_events import KVEvents
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -36,6 +37,13 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
+        """Thread-safe: prefix-cache keys stored/evicted since the last drain (engine.kv_events)."""
+        return self.engine.drain_kv_events(max_events)
+
+    def request_kv_reset(self) -> None:
+        self.engine.request_kv_reset()
 
     def check_health(self) -> None:
         if self._error is not None:

@@ -1,11 +1,11 @@
 """Paged KV-cache bookkeeping: a block pool with reference counts, an LRU of reusable cached blocks,
 per-request block tables, prefix hashes and CPU swap slots. Holds ids only; the tensors live in the
 model runner."""
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.kv_events import KVEventLog, KVEvents
+from engine.prefix_hash import block_hash
 from engine.sequence import Sequence
 
 
@@ -16,18 +16,6 @@ class Block:
     hash: bytes | None = None
 
 
-def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
-    """sha256 over an injective encoding: a tag, then the parent hash (later blocks) or the
-    length-prefixed salt (first block, so the salt reaches every block through the chain)."""
-    if parent is not None:
-        h = hashlib.sha256(b"\x01" + parent)
-    else:
-        extra = (salt or "").encode()
-        h = hashlib.sha256(b"\x00" + len(extra).to_bytes(8, "little") + extra)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
 class BlockPool:
     """Free blocks in two LRU queues: never-cached ones are handed out before cached ones are evicted."""
 
@@ -36,6 +24,7 @@ class BlockPool:
         self.free_plain: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.free_cached: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[bytes, Block] = {}
+        self.kv_events = KVEventLog(max(1 << 16, 4 * num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -66,12 +55,14 @@ class BlockPool:
     def unregister(self, block: Block) -> None:
         if block.hash is not None and self.cached.get(block.hash) is block:
             del self.cached[block.hash]
+            self.kv_events.add(block.hash, False)
         block.hash = None
 
     def register(self, block: Block, h: bytes) -> None:
         if block.hash is None and h not in self.cached:
             block.hash = h
             self.cached[h] = block
+            self.kv_events.add(h, True)
 
 
 class BlockManager:
@@ -151,6 +142,13 @@ class BlockManager:
         for i in range(self.num_registered.get(rid, 0), min(num_full, len(hashes))):
             self.pool.register(table[i], hashes[i])
         self.num_registered[rid] = max(self.num_registered.get(rid, 0), num_full)
+
+    def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
+        """Keys stored/evicted since the last drain (thread-safe); the first drain lists every cached key."""
+        return self.pool.kv_events.drain(lambda: list(self.pool.cached), max_events)
+
+    def request_kv_reset(self) -> None:
+        self.pool.kv_events.request_reset()
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.queries += num_tokens

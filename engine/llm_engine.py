@@ -7,6 +7,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import make_executor
+from engine.kv_events import KVEvents
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -38,6 +39,7 @@ class LLMEngine:
         self.prompts: dict[str, str | None] = {}
         self.num_finished = self.num_aborted = 0
         self.stream_outputs = True  # False: step() returns finished requests only (offline generate)
+        self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -83,9 +85,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         so = self.scheduler.schedule()
         ro = self.executor.execute_model(so)
         changed = self.scheduler.update(so, ro, time.monotonic())
+        self.busy_time_s += time.perf_counter() - start
+        self.num_decode_tokens += len(ro.token_ids)
+        self.num_prefill_tokens += so.num_tokens - len(ro.token_ids)
         logprobs = dict(zip(ro.req_ids, ro.logprobs))
         outputs = []
         for seq in changed:
@@ -126,7 +132,16 @@ class LLMEngine:
             num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
             num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
-            num_finished=self.num_finished, num_aborted=self.num_aborted)
+            num_finished=self.num_finished, num_aborted=self.num_aborted, max_num_seqs=self.config.max_num_seqs,
+            busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens, num_steps=s.num_steps,
+            tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64])
+
+    def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
+        return self.block_manager.drain_kv_events(max_events)
+
+    def request_kv_reset(self) -> None:
+        self.block_manager.request_kv_reset()
 
     def check_health(self) -> None:
         self.executor.check_health()

@@ -17,6 +17,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    max_num_seqs: int = 0
+    busy_time_s: float = 0.0  # cumulative wall time inside step(): rates below are per busy second
+    num_prefill_tokens: int = 0  # cumulative tokens computed that sampled nothing (prompt, recompute)
+    num_decode_tokens: int = 0  # cumulative tokens sampled
+    num_steps: int = 0
+    tokens_left: list[int] = field(default_factory=list)  # running requests' max_tokens left, ascending, <= 64
     timestamp: float = field(default_factory=time.time)
 
     @property

@@ -1,6 +1,7 @@
 """The cluster layer end to end over real Ray Serve on CPU: admission under a burst (429s, then a wait
 queue), KV autoscaling 1 -> 2 -> 1, prefix affinity of the KV-aware router against Ray's power-of-two
-router. One Ray cluster for the module; each test deploys its own apps and deletes them."""
+router, two router replicas under a queue-time objective. One Ray cluster for the module; each test
+deploys its own apps and deletes them."""
 import asyncio
 import random
 import threading
@@ -192,3 +193,42 @@ def test_shared_prefixes_stick_to_one_replica_and_beat_power_of_two(cluster: Sim
     finally:
         serve.delete("kv")
         serve.delete("p2c")
+
+
+def test_two_routers_queue_time_objective_refuses_with_retry_after_and_loses_nothing(cluster: SimpleNamespace) -> None:
+    """2 router replicas share reservations and the KV index through the admission actor; with
+    max_queue_time_s a burst far beyond 2 replicas x 4 slots is partly refused (429 queue_time)."""
+    run_apps(slo={"engine": {**ENGINE, "num_blocks": 128, "max_num_seqs": 4}, "num_replicas": 2, "router_replicas": 2,
+                  "max_queue_time_s": 1.0})
+    url, http = f"{cluster.url}/slo", httpx.Client(base_url=f"{cluster.url}/slo", timeout=60)
+    try:
+        rng = random.Random(2)
+        warm = [{"prompt": tokens(rng, 40), "max_tokens": 16, "ignore_eos": True} for _ in range(8)]
+        assert [http.post("/v1/completions", json=b).status_code for b in warm] == [200] * 8  # rates get measured
+        time.sleep(0.5)
+        snap = http.get("/v1/cluster").json()
+        assert snap["config"]["max_queue_time_s"] == 1.0 and snap["totals"]["replicas"] == 2
+        assert all(r["kv_index_reported"] and r["kv_index_blocks"] > 0 for r in snap["replicas"])
+        assert all(r["rates"]["finished_per_s"] > 0 for r in snap["replicas"])
+        bodies = [{"prompt": tokens(rng, 40), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+                  for _ in range(48)]
+        resps = asyncio.run(post_all(url, bodies))
+        codes = [r.status_code for r in resps]
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+        for r in resps:
+            if r.status_code == 200:
+                assert r.json()["usage"]["completion_tokens"] == 48
+            else:
+                assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_time"
+        replica = serve.get_deployment_handle("LLMReplica", app_name="slo")
+
+        def idle() -> bool:
+            snap = http.get("/v1/cluster").json()
+            return all(r["num_running"] == r["num_waiting"] == 0 and r["kv_blocks_free"] == r["kv_blocks_total"] == 128
+                       for r in snap["replicas"]) and len(snap["replicas"]) == 2
+        eventually(idle, 20, "both block pools are whole again")
+        routers = serve.status().applications["slo"].deployments["Router"].replica_states.get("RUNNING", 0)
+        assert routers == 2
+        assert replica.stats.remote().result()["num_finished"] >= 1
+    finally:
+        serve.delete("slo")

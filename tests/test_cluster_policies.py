@@ -224,11 +224,17 @@ class FakeActor:
     def __init__(self, body: AdmissionActor):
         self.body, self.dead = body, False
         self.snapshot = SimpleNamespace(remote=self._snapshot)
+        self.sync = SimpleNamespace(remote=self._sync)
 
     async def _snapshot(self) -> dict:
         if self.dead:
             raise RuntimeError("actor died")
         return self.body.snapshot()
+
+    async def _sync(self, *args) -> dict:
+        if self.dead:
+            raise RuntimeError("actor died")
+        return self.body.sync(*args)
 
 
 def test_admission_client_refreshes_reserves_and_reresolves_the_actor():

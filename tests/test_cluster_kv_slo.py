@@ -1,0 +1,258 @@
+"""Cluster layer, second pass, without Ray: the KV index fed by replicas' KV events and followed by routers,
+routing on real contents, service rates and the queue-time objective, several routers sharing one actor."""
+import asyncio
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.admission import AdmissionConfig, AdmissionController
+from cluster.admission_actor import AdmissionActor, AdmissionClient
+from cluster.kv_index import KVIndex
+from cluster.prefix_index import PrefixIndex
+from cluster.queue_time import queue_time_s, retry_after_s
+from cluster.routing import Candidate, RouterConfig, choose, score_replicas
+from cluster.stats import Rates, ReplicaStats, block_hashes
+from engine.prefix_hash import block_hashes as engine_block_hashes
+
+
+def stats(rid: str, free: int = 100, total: int = 100, running: int = 0, waiting: int = 0, waiting_tokens: int = 0,
+          busy: float = 0.0, prefill: int = 0, decode: int = 0, finished: int = 0, seqs: int = 8,
+          ts: float = 0.0) -> dict:
+    return ReplicaStats(rid, num_running=running, num_waiting=waiting, num_waiting_tokens=waiting_tokens,
+                        kv_blocks_total=total, kv_blocks_free=free, num_finished=finished, max_num_seqs=seqs,
+                        busy_time_s=busy, num_prefill_tokens=prefill, num_decode_tokens=decode,
+                        timestamp=ts).to_dict()
+
+
+def events(stored=(), evicted=(), reset=False) -> dict:
+    return {"stored": list(stored), "evicted": list(evicted), "reset": reset}
+
+
+# ---------------------------------------------------------------- KV index
+
+def test_cluster_keys_are_the_engines_keys():
+    ids = list(range(50))
+    assert block_hashes(ids, 16) == engine_block_hashes(ids, 16)
+    assert block_hashes(ids, 16, "t") != block_hashes(ids, 16) and block_hashes(ids, 16, max_blocks=2) == \
+        block_hashes(ids, 16)[:2]
+
+
+def test_kv_index_needs_a_reset_first_then_follows_events():
+    idx = KVIndex()
+    h = block_hashes(list(range(64)), 16)
+    assert idx.apply("a", h, [], reset=False) is True  # never listed: events alone can't be trusted
+    assert idx.match("a", h) is None and not idx.reported("a")
+    assert idx.apply("a", h[:2], [], reset=True) is False
+    assert idx.match("a", h) == 2
+    idx.apply("a", h[2:], [h[0]], reset=False)
+    assert idx.match("a", h) == 0 and idx.match("a", h, extra={h[0]}) == 4
+    idx.apply("a", [h[0]], [], reset=False)
+    assert idx.match("a", h) == 4
+    idx.apply("a", [h[3]], [], reset=True)  # a reset replaces everything
+    assert idx.match("a", h) == 0 and idx.size("a") == 1
+
+
+def test_kv_index_followers_by_delta_or_full_copy():
+    src, dst = KVIndex(log_size=3), KVIndex()
+    h = block_hashes(list(range(96)), 16)
+    src.apply("a", h[:2], [], True)
+    src.apply("b", h[:1], [], True)
+    dst.load(src.changes(None))  # first contact: a full copy
+    assert "full" in src.changes(None) and dst.keys == src.keys
+    v = dst.version
+    src.apply("a", h[2:4], [h[0]], False)
+    ch = src.changes(v)
+    assert "events" in ch and len(ch["events"]) == 1
+    dst.load(ch)
+    assert dst.keys == src.keys and dst.version == src.version
+    v = dst.version
+    for i in range(4):  # more pushes than the log holds: the follower gets a full copy
+        src.apply("b", [h[i]], [], False)
+    src.forget("a")
+    ch = src.changes(v)
+    assert "full" in ch
+    dst.load(ch)
+    assert dst.keys == src.keys and not dst.reported("a")
+    src2 = KVIndex()  # the actor restarted: versions went back, the follower gets a full copy
+    src2.apply("c", h[:1], [], True)
+    assert "full" in src2.changes(dst.version)
+
+
+def test_actor_asks_for_a_listing_and_routers_follow_its_index():
+    actor = AdmissionActor({}, clock=lambda: 0.0)
+    h = block_hashes(list(range(64)), 16)
+    assert actor.report({**stats("a"), "kv_events": events(h[:1])}) == {"kv_reset": True}
+    assert actor.report({**stats("a"), "kv_events": events(h[:3], reset=True)}) == {"kv_reset": False}
+    assert actor.report(stats("b")) == {"kv_reset": False}  # no events at all: a replica without KV events
+    router = AdmissionController()
+    snap = actor.sync([], None)
+    router.restore(snap, 0.0)
+    assert router.cached_blocks("a", h) == 3 and router.cached_blocks("b", h) is None
+    actor.report({**stats("a"), "kv_events": events([h[3]], [h[2]])})
+    router.restore(actor.sync([], snap["kv"]["changes"]["version"]), 0.0)
+    assert router.cached_blocks("a", h) == 2
+    row = actor.snapshot()["replicas"][0]
+    assert row["kv_index_reported"] and row["kv_index_blocks"] == 3
+
+
+# ---------------------------------------------------------------- routing on real contents
+
+def test_router_scores_real_contents_and_guesses_only_for_unreported():
+    h = block_hashes(list(range(64)), 16)
+    guess = PrefixIndex()
+    guess.record("a", h)  # the guess says a holds the prompt; a's real contents say it was evicted
+    guess.record("c", h)
+    s = lambda rid: ReplicaStats.from_dict(stats(rid))
+    cands = [Candidate("a", s("a")), Candidate("b", s("b")), Candidate("c", s("c"))]
+    scored = {x.replica_id: x for x in score_replicas(cands, h, guess, RouterConfig(), cached_blocks={"a": 0, "b": 4})}
+    assert scored["a"].affinity == 0.0 and scored["b"].affinity == 1.0 and scored["c"].affinity == 1.0
+    assert choose(score_replicas(cands, h, guess, RouterConfig(), cached_blocks={"a": 0, "b": 4, "c": 1}),
+                  RouterConfig())[0] == "b"
+
+
+def test_router_follows_admissions_order_unless_overloaded():
+    s = lambda rid, **kw: ReplicaStats.from_dict(stats(rid, **kw))
+    cands = [Candidate("a", s("a", free=90)), Candidate("b", s("b", free=40)), Candidate("c", s("c", free=95))]
+    scored = score_replicas(cands, (), PrefixIndex(), RouterConfig())
+    assert choose(scored, RouterConfig(), ["b", "a"], ordered=True) == ["b", "a", "c"]
+    assert choose(scored, RouterConfig(), ["b", "a"]) == ["a", "b", "c"]
+    busy = [Candidate("a", s("a"), ongoing=1), Candidate("b", s("b"), ongoing=30)]
+    assert choose(score_replicas(busy, (), PrefixIndex(), RouterConfig()), RouterConfig(), ["b", "a"], True)[0] == "a"
+
+
+def test_admission_ranks_by_real_prefix_and_reserved_prompts_attract():
+    c = AdmissionController()
+    h = block_hashes(list(range(160)), 16)
+    for rid in "ab":
+        c.update(ReplicaStats.from_dict(stats(rid)), 0.0, events(reset=True))
+    c.update(ReplicaStats.from_dict(stats("b", ts=1)), 0.0, events(h[:8]))
+    d = c.decide(10, 0.0, keys=h)
+    assert d.replicas[0] == "b" and d.cached_blocks == {"a": 0, "b": 8}
+    other = block_hashes(list(range(1000, 1160)), 16)
+    d = c.decide(10, 0.0, keys=other)
+    c.reserve(d.replicas[0], 10, 0.0, keys=other)  # on its way there: the next one like it follows
+    assert c.decide(10, 0.0, keys=other).cached_blocks[d.replicas[0]] == 10
+
+
+# ---------------------------------------------------------------- rates and queue time
+
+def test_rates_per_busy_second_decay_over_the_window():
+    prev = ReplicaStats.from_dict(stats("r"))
+    cur = ReplicaStats.from_dict(stats("r", busy=2.0, prefill=2000, decode=400, finished=4))
+    r = Rates().update(prev, cur, window_s=4.0)
+    assert (r.prefill_tokens_per_s, r.decode_tokens_per_s, r.finished_per_s) == (1000.0, 200.0, 2.0)
+    later = ReplicaStats.from_dict(stats("r", busy=6.0, prefill=2000, decode=2400, finished=4))
+    r2 = r.update(cur, later, window_s=4.0)
+    assert r2.prefill_tokens_per_s < 1000 * math.exp(-1) / (1 + 0) and r2.decode_tokens_per_s > 200
+    assert r2.update(later, later) is r2  # no busy time passed: nothing learnt
+
+
+def test_queue_time_slots_and_prefill_bottlenecks():
+    rates = Rates(prefill_tokens_per_s=1000.0, decode_tokens_per_s=500.0, finished_per_s=4.0)
+    s = lambda **kw: ReplicaStats.from_dict(stats("r", seqs=8, **kw))
+    assert queue_time_s(s(running=3), rates) == 0.0  # a free slot, nothing queued
+    assert queue_time_s(s(running=3, waiting=2, waiting_tokens=3000), rates) == 3.0  # prefill-bound
+    assert queue_time_s(s(running=8, waiting=7, waiting_tokens=700), rates) == 2.0  # 8 must finish first
+    assert queue_time_s(s(running=8, waiting=7), rates, extra_requests=4) == 3.0  # admitted, not yet seen
+    assert queue_time_s(s(running=8), Rates()) == math.inf  # full and no finish rate measured
+    assert queue_time_s(s(running=4, free=20), rates) == 0.0  # 4 use 80 of 100 blocks: 1 more fits, not 4
+    assert queue_time_s(s(running=4, free=20, waiting=1), rates) == 0.25
+    timed = Rates(prefill_tokens_per_s=1000.0, finished_per_s=4.0, steps_per_s=20.0)
+    cohort = ReplicaStats.from_dict({**stats("r", seqs=4, running=4, waiting=1), "tokens_left": [40, 60, 100, 120]})
+    assert queue_time_s(cohort, timed) == 3.0  # 2 must finish: the second-shortest has 60 tokens at 20 steps/s
+    assert queue_time_s(cohort, timed, extra_requests=5) == 6.0 + 3 / 4.0  # 7 must: 4 done in 6 s, then 3 more
+    assert retry_after_s(3.2, 2.0, 1.0) == 2.0 and retry_after_s(2.1, 2.0, 1.0) == 1.0
+    assert retry_after_s(math.inf, 2.0, 1.0) == 1.0
+
+
+def test_max_queue_time_refuses_with_retry_after_and_counts_reservations():
+    c = AdmissionController(AdmissionConfig(max_queue_time_s=2.0, queue_time_safety=1.0))
+    for rid in "ab":  # 1 s of busy time: 4 requests finished, 4000 prompt tokens
+        c.update(ReplicaStats.from_dict(stats(rid, running=8)), 0.0)
+        c.update(ReplicaStats.from_dict(stats(rid, running=8, waiting=3, busy=1.0, prefill=4000, finished=4,
+                                              ts=1)), 0.1)
+    assert c.replicas["a"].rates.finished_per_s == 4.0
+    admitted = []
+    for _ in range(20):
+        d = c.decide(1, 0.1)
+        if not d.admit:
+            break
+        admitted.append(d.replicas[0])
+        c.reserve(d.replicas[0], 1, 0.1)
+    # each replica: 3 waiting + k reserved ahead; (3 + k + 1) / 4 <= 2 s  ->  k <= 4
+    assert sorted(admitted) == ["a"] * 5 + ["b"] * 5
+    assert (d.reason, d.retry_after_s) == ("queue_time", 1.0) and d.queue_time_s == pytest.approx(2.25)
+    off = AdmissionController()  # off: today's behaviour, only KV room matters
+    off.restore(c.snapshot(0.1), 0.1)
+    assert off.config.max_queue_time_s == 2.0
+    off.config = AdmissionConfig()
+    assert off.decide(1, 0.1).admit
+
+
+# ---------------------------------------------------------------- several routers
+
+class Handle:
+    def __init__(self, body: AdmissionActor):
+        self.sync = SimpleNamespace(remote=self._sync)
+        self.body = body
+
+    async def _sync(self, *args) -> dict:
+        return self.body.sync(*args)
+
+
+def test_two_routers_see_each_others_reservations_within_one_refresh():
+    clock = [0.0]
+    body = AdmissionActor({"settle_s": 0.3}, clock=lambda: clock[0])
+    h = block_hashes(list(range(320)), 16)
+
+    async def get() -> Handle:
+        return Handle(body)
+
+    async def scenario() -> None:
+        one, two = AdmissionClient(get, clock=lambda: clock[0]), AdmissionClient(get, clock=lambda: clock[0])
+        body.report({**stats("a", total=40, free=40), "kv_events": events(reset=True)})
+        body.report({**stats("b", total=40, free=40), "kv_events": events(reset=True)})
+        await one.refresh()
+        await two.refresh()
+        d1 = await one.decide(20, keys=h)
+        d2 = await two.decide(20, keys=h)  # two has not seen one's reservation yet
+        assert d1.admit and d2.admit
+        await one.refresh()  # hands its reservation over
+        await two.refresh()  # hands over its own and sees one's
+        await one.refresh()
+        for c in (one, two):  # both count both reservations
+            assert c.controller.reserved("a")[0] + c.controller.reserved("b")[0] == 40
+        assert one.controller.room("a") == two.controller.room("a")
+        assert one.controller.room("b") == two.controller.room("b")
+        assert one.controller.num_routers == two.controller.num_routers == 2
+        free_b = one.controller.room("b")
+        one.controller.reserve("b", 3, clock[0])  # not shared yet: counts for both routers
+        assert one.controller.room("b") == free_b - 6
+        one.controller._reserved.clear()
+        assert two.controller.cached_blocks(d1.replicas[0], h) == 20  # one's prompt, on its way there
+        d3 = await two.decide(1, keys=h)
+        assert d3.admit
+        full = d1.replicas[0] if d1.replicas[0] == d2.replicas[0] else None
+        if full is not None:  # both sent the same prompt to one replica: now full for either router
+            assert one.controller.room(full) == 0 and (await one.decide(20)).replicas == [
+                "b" if full == "a" else "a"]
+        clock[0] = 0.4
+        body.report({**stats("a", total=40, free=20, ts=1)})
+        body.report({**stats("b", total=40, free=20, ts=1)})
+        await one.refresh()
+        assert sum(one.controller.reserved(r)[0] for r in "ab") == 0  # stats 0.4 s later include them all
+        assert one.controller.room("a") == one.controller.room("b") == 20
+
+    asyncio.run(scenario())
+
+
+def test_count_output_blocks_charges_max_tokens_growth():
+    on = AdmissionController(AdmissionConfig(count_output_blocks=True))
+    off = AdmissionController()
+    for c in (on, off):  # 2 running with 30 + 50 tokens left: 5 more blocks at 16 tokens each
+        c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
+    assert off.room("a") == 40 and on.room("a") == 35
+    assert off.decide(10, 0.0, output_blocks=30).admit and not on.decide(10, 0.0, output_blocks=30).admit
+    d = on.decide(10, 0.0, output_blocks=20)
+    assert d.admit and d.new_blocks == 30
