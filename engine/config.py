@@ -37,6 +37,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
+    cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     model_path: str = field(default="", repr=False)
@@ -62,7 +63,7 @@ class EngineConfig:
             _fail("swap_space", "long_prefill_token_threshold and max_num_partial_prefills must be >= 0")
         choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),
                    "attention_backend": ("auto", "torch", "cpu", "triton"), "device": ("auto", "cpu", "cuda"),
-                   "dtype": ("auto", *DTYPES)}
+                   "dtype": ("auto", *DTYPES), "cpu_threads_bind": ("off", "auto")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")

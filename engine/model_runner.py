@@ -1,5 +1,6 @@
 """Owns the model and its paged KV cache on one device; turns a SchedulerOutput into sampled tokens."""
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,9 @@ class ModelRunner:
         load_weights(self.model, config.model_path, hf.tie_word_embeddings)
         if config.prepack_weights and self.device.type == "cpu":
             pack_weights(self.model)
+        if config.cpu_threads_bind == "auto" and ops.fused is not None:
+            cpus = sorted(os.sched_getaffinity(0))[:torch.get_num_threads()]
+            log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
         self.head_dim = head_dim_of(hf)

@@ -1,0 +1,83 @@
+"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against the pure-torch reference and the eager layers."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from kernels import cpu_ops, reference
+
+lib = cpu_ops.load()
+pytestmark = pytest.mark.skipif(lib is None, reason="the CPU lacks AVX-512 BF16 or no compiler")  # CI runs on this CPU kind: they run
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim", [(16, 12, 4, 64), (32, 4, 2, 64), (8, 9, 3, 64),
+                                                                 (16, 8, 8, 128), (4, 4, 1, 32)])
+def test_paged_attention_mixed_step_matches_reference(dtype: torch.dtype, block_size: int, heads: int,
+                                                      kv_heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(block_size * heads + head_dim)
+    num_blocks, width = 96, 24
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor([5, 40, 17, 1, 30, 70], dtype=torch.int32)  # 4 decodes, then 2 prefills over context
+    q_lens = torch.tensor([1, 1, 1, 1, 30, 25])
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q_lens, 0)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in q_lens]).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    got = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    f = lambda t: t.float()  # noqa: E731
+    want = torch.cat((
+        reference.paged_decode_attention(f(q[:4]), f(k_cache), f(v_cache), tables[:4], seq_lens[:4], scale),
+        reference.paged_prefill_attention(f(q[4:]), f(k_cache), f(v_cache), tables[4:], seq_lens[4:],
+                                          qsl[4:] - qsl[4], 30, scale)))
+    assert got.dtype == dtype
+    assert (got.float() - want).abs().max() <= TOL[dtype] * max(1.0, want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_cache_is_the_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.zeros(8, 16, 2, 64, dtype=dtype) for _ in range(4)]
+    kv = torch.randn(10, 4, 64, generator=g).to(dtype)  # strided rows, as a slice of a fused qkv
+    key, value = kv[:, :2], kv[:, 2:]
+    slots = torch.tensor([3, -1, 7, 100, 5, 6, 8, 9, 10, 127])
+    cpu_ops.store_kv_cache(key, value, caches[0], caches[1], slots)
+    reference.store_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_ops_match_the_eager_layers(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    eager, fused = RMSNorm(256, 1e-5), RMSNorm(256, 1e-5, lib)
+    eager.weight.data = fused.weight.data = torch.randn(256, generator=g)
+    eager, fused = eager.to(dtype), fused.to(dtype)
+    x, r = (torch.randn(7, 256, generator=g).to(dtype) for _ in range(2))
+    (want, want_r), (got, got_r) = eager(x, r), fused(x.clone(), r.clone())
+    exact = dtype == torch.bfloat16  # every rounding where torch rounds; float32 differs in summation order only
+    assert torch.equal(got_r, want_r)
+    assert torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fused(x), eager(x)) if exact else torch.allclose(fused(x), eager(x), rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(5, 2 * 768, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    assert torch.allclose(lib.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=1e-2 if exact else 1e-6,
+                          atol=1e-6)
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    rope, fused_rope = RotaryEmbedding(config, 64, 512), RotaryEmbedding(config, 64, 512, lib)
+    qkv = torch.randn(6, 8 * 64, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 100, 7, 300, 2])
+    want_q, want_k = rope(positions, qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64))
+    got_q, got_k = fused_rope(positions, qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:
+    from engine.config import EngineConfig
+    assert EngineConfig(model="demo:tiny", dtype="float32").attention_backend == "cpu"
+    assert EngineConfig(model="demo:tiny", dtype="bfloat16").attention_backend == "cpu"
+    assert EngineConfig(model="demo:tiny", dtype="float16").attention_backend == "torch"
