@@ -10,7 +10,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.loader import load_weights
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel import tp_rank
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SamplingBatch, add_constraints, sample
 from engine.sampling_params import SamplingParams
 from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from kernels import attention_ops
@@ -130,7 +130,9 @@ class ModelRunner:
         if self.rank != 0:
             return None
         sampled = [c.req_id for c in chunks if c.sample]
-        tokens, logprobs = sample(logits, self._sampling_batch(sampled))
+        batch = add_constraints(self._sampling_batch(sampled), [self.requests[r].params for r in sampled], sampled,
+                                so.grammar, self.device)
+        tokens, logprobs = sample(logits, batch)
         tokens = tokens.tolist()
         for rid, tok in zip(sampled, tokens):
             self.requests[rid].output_token_ids.append(tok)
