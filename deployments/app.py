@@ -1,5 +1,6 @@
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -15,6 +16,7 @@ from cluster.autoscaling import KVScalingConfig
 from cluster.routing import RouterConfig
 from deployments.replica import ADMISSION_ACTOR, LLMReplica
 from deployments.router import Router
+from deployments.tool_parsers import TOOL_PARSERS
 from engine import EngineConfig
 
 
@@ -57,6 +59,8 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "demo:tiny"
     served_model_name: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
     engine: dict[str, Any] = {}
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
@@ -90,6 +94,10 @@ class AppArgs(BaseModel):
             if m and m.group(1) != "model":
                 raise ValueError(f"engine.{m.group(1)}: {m.group(2)}") from None
             raise ValueError(f"model: {m.group(2) if m else e}") from None
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})")
+        if self.chat_template is not None and "{" not in self.chat_template and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template: {self.chat_template!r} is neither a template nor a file")
         if self.autoscaling is not None and self.kv_autoscaling is not None:
             raise ValueError("autoscaling: set autoscaling or kv_autoscaling, not both")
         if self.kv_autoscaling is not None:
@@ -102,6 +110,11 @@ class AppArgs(BaseModel):
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
+
+    def template_text(self) -> str | None:
+        """chat_template: a file path or the template itself (vLLM's --chat-template)."""
+        t = self.chat_template
+        return Path(t).read_text() if t is not None and "{" not in t and Path(t).is_file() else t
 
     @property
     def block_size(self) -> int:
@@ -151,7 +164,8 @@ def build_app(args: AppArgs) -> Application:
     replica = LLMReplica.options(**args.replica_options()).bind(args.engine_config(), args.torch_threads,
                                                                    args.stream_interval_s, args.stream_chunks_per_s, push)
     router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
-    return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size)
+    return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size,
+                       args.template_text(), args.tool_call_parser)
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

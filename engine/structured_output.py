@@ -33,6 +33,12 @@ def grammar_of(kind: str, text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(text)
 
 
+def tagged_json_grammar(schema: dict, prefix: str, suffix: str) -> str:
+    """EBNF text for `prefix`, one JSON value under `schema`, then `suffix` (e.g. a tool call between tags)."""
+    tag = lambda text: xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")  # noqa: E731
+    return str(xgr.Grammar.concat(tag(prefix), grammar_of("json", json.dumps(schema)), tag(suffix)))
+
+
 def check_constraint(kind: str, text: str) -> str | None:
     """None when xgrammar accepts the constraint, else its error message (without the C++ source location)."""
     try:
