@@ -21,7 +21,7 @@ from deployments.protocol import (
 )
 from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
 from engine import SamplingParams
-from engine.demo import resolve_model
+from engine.model_source import resolve_model
 
 app = FastAPI(title="Conveyor")
 install_error_handlers(app)
@@ -43,11 +43,11 @@ class Router:
     LLMReplica that the request router picks with the request's routing hint."""
 
     async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
-                       admission: bool = False, block_size: int = 16) -> None:
+                       admission: bool = False, block_size: int = 16, revision: str | None = None) -> None:
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, revision))
         self.metrics = RouterMetrics()
         self._info: dict[str, Any] | None = None
         self.block_size = block_size
