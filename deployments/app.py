@@ -58,6 +58,7 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str = "demo:tiny"
+    revision: str | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
@@ -83,7 +84,7 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_engine(self) -> "AppArgs":
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config", "model_path"}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision", "hf_config", "model_path"}
         unknown = sorted(set(self.engine) - known)
         if unknown:
             raise ValueError(f"engine.{unknown[0]}: unknown engine option (known: {', '.join(sorted(known))})")
@@ -91,9 +92,10 @@ class AppArgs(BaseModel):
             EngineConfig(**self.engine_config())
         except (ValueError, TypeError) as e:
             m = re.match(r"EngineConfig\.(\w+) (.*)", str(e), re.S)
-            if m and m.group(1) != "model":
+            if m and m.group(1) not in ("model", "revision"):
                 raise ValueError(f"engine.{m.group(1)}: {m.group(2)}") from None
-            raise ValueError(f"model: {m.group(2) if m else e}") from None
+            message = m.group(2) if m else str(e)
+            raise ValueError(message if re.match(r"(model|revision):", message) else f"model: {message}") from None
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})")
         if self.chat_template is not None and "{" not in self.chat_template and not Path(self.chat_template).is_file():
@@ -121,7 +123,7 @@ class AppArgs(BaseModel):
         return int(self.engine.get("block_size", 16))
 
     def engine_config(self) -> dict[str, Any]:
-        return {**self.engine, "model": self.model}
+        return {**self.engine, "model": self.model, "revision": self.revision}
 
     def use_gpu(self) -> bool:
         device = self.engine.get("device", "auto")
@@ -165,7 +167,7 @@ def build_app(args: AppArgs) -> Application:
                                                                    args.stream_interval_s, args.stream_chunks_per_s, push)
     router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
     return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size,
-                       args.template_text(), args.tool_call_parser)
+                       args.revision, args.template_text(), args.tool_call_parser)
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

@@ -23,7 +23,7 @@ from deployments.responses import DONE, ResponseBuilder, error_response, install
 from deployments.tool_parsers import TOOL_PARSERS
 from engine import SamplingParams
 from engine.chat_template import render_chat
-from engine.demo import resolve_model
+from engine.model_source import resolve_model
 from engine.sampling_params import StructuredParams
 
 app = FastAPI(title="Conveyor")
@@ -46,12 +46,12 @@ class Router:
     LLMReplica that the request router picks with the request's routing hint."""
 
     async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
-                       admission: bool = False, block_size: int = 16, chat_template: str | None = None,
-                       tool_call_parser: str = "hermes") -> None:
+                       admission: bool = False, block_size: int = 16, revision: str | None = None,
+                       chat_template: str | None = None, tool_call_parser: str = "hermes") -> None:
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, revision))
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.tool_parser = TOOL_PARSERS[tool_call_parser]()
