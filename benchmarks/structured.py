@@ -6,6 +6,8 @@ the ratio, and how much of the constrained run went to grammar work (mask fill +
 import argparse
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,26 +31,30 @@ def workload(n: int, seed: int, vocab: int, tokens: int, items: int, constrained
     return prompts, [json_ if constrained and i % 2 else free for i in range(n)]
 
 
+class Timed:
+    """Wraps a method and adds up the seconds spent in it."""
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self.f, self.seconds = f, 0.0
+
+    def __call__(self, *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.f(*args)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
 def run(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> tuple[float, int, float]:
     manager = llm.engine.structured
-    spent = 0.0
     fill, accept = manager.bitmask, manager.accept
-
-    def timed(f):  # noqa: ANN001, ANN202
-        def wrapper(*a):  # noqa: ANN002, ANN202
-            nonlocal spent
-            t = time.perf_counter()
-            try:
-                return f(*a)
-            finally:
-                spent += time.perf_counter() - t
-        return wrapper
-    manager.bitmask, manager.accept = timed(fill), timed(accept)
+    manager.bitmask, manager.accept = Timed(fill), Timed(accept)
     try:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
     finally:
+        spent = manager.bitmask.seconds + manager.accept.seconds
         manager.bitmask, manager.accept = fill, accept
     for o, p in zip(outs, params):
         if p.structured is not None:

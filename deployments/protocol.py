@@ -197,6 +197,9 @@ class ChatMessageIn(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def render(self) -> dict[str, Any]:
         """The message as chat templates expect it: tool-call arguments as objects, not JSON strings."""
