@@ -181,3 +181,18 @@ def test_chat_applies_the_template_and_refuses_tools_it_cannot_render(llm: LLM) 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(ValueError, match="^tools: "):
         llm.chat(messages, tools=[tool], use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_real_model_json_schemas_greedy_and_sampled_with_a_free_request() -> None:
+    real = LLM("demo:smollm2", dtype="float32", max_model_len=512, num_blocks=48)
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    params = [json_params(PERSON, True), json_params(PERSON, False, seed=2), json_params(ARRAYS, True),
+              json_params(NESTED, False, seed=4), SamplingParams(temperature=0, max_tokens=16)]
+    outs = real.chat([ask] * len(params), params, use_tqdm=False)
+    for out, p in zip(outs[:-1], params):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        assert_valid(out.outputs[0].text, json.loads(p.structured.text))
+    alone = real.chat(ask, params[-1], use_tqdm=False)[0]
+    assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_no_leak(real)
