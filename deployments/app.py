@@ -1,5 +1,6 @@
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -15,6 +16,7 @@ from cluster.autoscaling import KVScalingConfig
 from cluster.routing import RouterConfig
 from deployments.replica import ADMISSION_ACTOR, LLMReplica
 from deployments.router import Router
+from deployments.tool_parsers import TOOL_PARSERS
 from engine import EngineConfig
 
 
@@ -56,7 +58,10 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str = "demo:tiny"
+    revision: str | None = None
     served_model_name: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
     engine: dict[str, Any] = {}
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
@@ -80,7 +85,7 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_engine(self) -> "AppArgs":
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "hf_config", "model_path"}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision", "hf_config", "model_path"}
         unknown = sorted(set(self.engine) - known)
         if unknown:
             raise ValueError(f"engine.{unknown[0]}: unknown engine option (known: {', '.join(sorted(known))})")
@@ -88,9 +93,14 @@ class AppArgs(BaseModel):
             EngineConfig(**self.engine_config())
         except (ValueError, TypeError) as e:
             m = re.match(r"EngineConfig\.(\w+) (.*)", str(e), re.S)
-            if m and m.group(1) != "model":
+            if m and m.group(1) not in ("model", "revision"):
                 raise ValueError(f"engine.{m.group(1)}: {m.group(2)}") from None
-            raise ValueError(f"model: {m.group(2) if m else e}") from None
+            message = m.group(2) if m else str(e)
+            raise ValueError(message if re.match(r"(model|revision):", message) else f"model: {message}") from None
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})")
+        if self.chat_template is not None and "{" not in self.chat_template and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template: {self.chat_template!r} is neither a template nor a file")
         if self.autoscaling is not None and self.kv_autoscaling is not None:
             raise ValueError("autoscaling: set autoscaling or kv_autoscaling, not both")
         if self.kv_autoscaling is not None:
@@ -106,6 +116,11 @@ class AppArgs(BaseModel):
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
 
+    def template_text(self) -> str | None:
+        """chat_template: a file path or the template itself (vLLM's --chat-template)."""
+        t = self.chat_template
+        return Path(t).read_text() if t is not None and "{" not in t and Path(t).is_file() else t
+
     @property
     def block_size(self) -> int:
         return int(self.engine.get("block_size", 16))
@@ -118,7 +133,7 @@ class AppArgs(BaseModel):
         return {**weights, **(self.admission or {}), **limit, "block_size": self.block_size}
 
     def engine_config(self) -> dict[str, Any]:
-        return {**self.engine, "model": self.model}
+        return {**self.engine, "model": self.model, "revision": self.revision}
 
     def use_gpu(self) -> bool:
         device = self.engine.get("device", "auto")
@@ -161,7 +176,8 @@ def build_app(args: AppArgs) -> Application:
     replica = LLMReplica.options(**args.replica_options()).bind(args.engine_config(), args.torch_threads,
                                                                    args.stream_interval_s, args.stream_chunks_per_s, push)
     router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
-    return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size)
+    return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size,
+                       args.revision, args.template_text(), args.tool_call_parser)
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

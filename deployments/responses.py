@@ -10,9 +10,10 @@ from starlette.exceptions import HTTPException
 
 from deployments.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatStreamChoice,
-    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, DeltaMessage, ErrorInfo, ErrorResponse,
-    TokenLogprob, TopLogprob, UsageInfo,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+    ErrorInfo, ErrorResponse, FunctionCall, TokenLogprob, ToolCall, TopLogprob, UsageInfo,
 )
+from deployments.tool_parsers import HermesToolParser, ParsedCall, ToolStream
 
 DONE = "data: [DONE]\n\n"
 
@@ -45,7 +46,8 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in err["loc"] if x != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc)
-        return error_response(APIError(f"{where}: {err['msg']}" if where else str(err["msg"]), param=param))
+        msg = "unknown field, not supported by this server" if err.get("type") == "extra_forbidden" else err["msg"]
+        return error_response(APIError(f"{where}: {msg}" if where else str(msg), param=param))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -78,17 +80,23 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.started = False
         self.logprobs: Any = None
+        self.tools: ToolStream | None = None
+        self.num_calls = 0
 
 
 class ResponseBuilder:
     """Turns replica deltas into OpenAI completion / chat responses, streamed or whole."""
 
     def __init__(self, chat: bool, request_id: str, model: str, num_choices: int, prompt_tokens: int,
-                 num_logprobs: int | None, decode: Callable[[int], str]) -> None:
+                 num_logprobs: int | None, decode: Callable[[int], str],
+                 tool_parser: HermesToolParser | None = None) -> None:
         self.chat, self.id, self.model = chat, request_id, model
         self.created = int(time.time())
         self.prompt_tokens, self.num_logprobs, self.decode = prompt_tokens, num_logprobs, decode
+        self.tool_parser = tool_parser
         self.choices = [ChoiceState() for _ in range(num_choices)]
+        for c in self.choices:
+            c.tools = tool_parser.stream() if tool_parser is not None else None
 
     def usage(self) -> UsageInfo:
         completion = sum(c.num_tokens for c in self.choices)
@@ -135,10 +143,22 @@ class ResponseBuilder:
                     for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                         getattr(c.logprobs, k).extend(getattr(lp, k))
 
+    @staticmethod
+    def _finish(reason: str | None, num_calls: int) -> str | None:
+        return "tool_calls" if num_calls and reason == "stop" else reason
+
+    def _message(self, c: ChoiceState) -> tuple[ChatMessageOut, str | None]:
+        text = "".join(c.text)
+        if self.tool_parser is None:
+            return ChatMessageOut(content=text), c.finish_reason
+        content, calls = self.tool_parser.parse(text)
+        tool_calls = [ToolCall(id=k.id, function=FunctionCall(name=k.name, arguments=k.arguments)) for k in calls]
+        return ChatMessageOut(content=content, tool_calls=tool_calls or None), self._finish(c.finish_reason, len(calls))
+
     def response(self) -> CompletionResponse | ChatCompletionResponse:
         if self.chat:
-            choices = [ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)), logprobs=c.logprobs,
-                                  finish_reason=c.finish_reason) for i, c in enumerate(self.choices)]
+            choices = [ChatChoice(index=i, message=m, logprobs=c.logprobs, finish_reason=f)
+                       for i, c in enumerate(self.choices) for m, f in [self._message(c)]]
             return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.usage())
         choices = [CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason)
@@ -154,9 +174,15 @@ class ResponseBuilder:
             c.finish_reason = d["finish_reason"]
             lp = self._logprobs(c, d)
             if self.chat:
-                delta = DeltaMessage(content=d["text"], role=None if c.started else "assistant")
+                text, calls = d["text"], []
+                if c.tools is not None:
+                    text, calls = c.tools.feed(text)
+                    text += c.tools.finish() if d["finish_reason"] is not None else ""
+                delta = DeltaMessage(content=text if text or not calls else None,
+                                     role=None if c.started else "assistant",
+                                     tool_calls=[self._call_delta(c, k) for k in calls] or None)
                 choice: Any = ChatStreamChoice(index=d["index"], delta=delta, logprobs=lp,
-                                               finish_reason=d["finish_reason"])
+                                               finish_reason=self._finish(d["finish_reason"], c.num_calls))
                 out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                                    choices=[choice])))
             else:
@@ -166,6 +192,12 @@ class ResponseBuilder:
                                                   choices=[choice])))
             c.started = True
         return out
+
+    @staticmethod
+    def _call_delta(c: ChoiceState, k: ParsedCall) -> DeltaToolCall:
+        c.num_calls += 1
+        return DeltaToolCall(index=c.num_calls - 1, id=k.id, type="function",
+                             function=DeltaFunctionCall(name=k.name, arguments=k.arguments))
 
     def usage_chunk(self) -> str:
         cls = ChatCompletionChunk if self.chat else CompletionResponse

@@ -20,8 +20,11 @@ from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
 from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
+from deployments.tool_parsers import TOOL_PARSERS
 from engine import SamplingParams
-from engine.demo import resolve_model
+from engine.chat_template import render_chat
+from engine.model_source import resolve_model
+from engine.sampling_params import StructuredParams
 
 app = FastAPI(title="Conveyor")
 install_error_handlers(app)
@@ -43,11 +46,15 @@ class Router:
     LLMReplica that the request router picks with the request's routing hint."""
 
     async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
-                       admission: bool = False, block_size: int = 16) -> None:
+                       admission: bool = False, block_size: int = 16, revision: str | None = None,
+                       chat_template: str | None = None, tool_call_parser: str = "hermes") -> None:
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, revision))
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        self.tool_parser = TOOL_PARSERS[tool_call_parser]()
         self.metrics = RouterMetrics()
         self._info: dict[str, Any] | None = None
         self.block_size = block_size
@@ -79,7 +86,7 @@ class Router:
         return [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
 
     async def prepare(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
-                      where: str) -> GenerateRequest:
+                      where: str, structured: tuple[str, dict[str, Any]] | None = None) -> GenerateRequest:
         info = await self.info()
         limit, vocab = info["max_model_len"], info["vocab_size"]
         for ids in prompts:
@@ -94,6 +101,13 @@ class Router:
                                f"Please reduce the length of the {where} or completion.",
                                param=where if len(ids) >= limit else "max_tokens")
         sampling = req.sampling(max_tokens or limit - max(len(p) for p in prompts))
+        if structured is not None:
+            field, fields = structured
+            try:
+                StructuredParams(**fields)
+            except (ValueError, TypeError) as e:
+                raise APIError(f"{field}: {e}", param=field) from None
+            sampling["structured"] = fields
         try:
             SamplingParams(**sampling)
         except (ValueError, TypeError) as e:
@@ -190,23 +204,21 @@ class Router:
         status = 200
         try:
             self.check_model(req.model)
+            structured, parser = req.structured(), None
             if isinstance(req, ChatCompletionRequest):
-                try:
-                    text = self.tokenizer.apply_chat_template([m.render() for m in req.messages], tokenize=False,
-                                                              add_generation_prompt=req.add_generation_prompt)
-                except Exception as e:
-                    raise APIError(f"messages: cannot apply the chat template: {e}", param="messages") from None
-                prompts = [self.tokenizer(text, add_special_tokens=False).input_ids]
+                prompts, structured, parser = self.chat_prompt(req, structured)
                 where = "messages"
-                gen_req = await self.prepare(req, prompts, req.max_completion_tokens or req.max_tokens, where)
+                gen_req = await self.prepare(req, prompts, req.max_completion_tokens or req.max_tokens, where,
+                                             structured)
                 rid = f"chatcmpl-{gen_req.request_id}"
             else:
                 prompts, where = self.tokenize_prompts(req.prompt), "prompt"
-                gen_req = await self.prepare(req, prompts, req.max_tokens, where)
+                gen_req = await self.prepare(req, prompts, req.max_tokens, where, structured)
                 rid = f"cmpl-{gen_req.request_id}"
             hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0)
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
-                                      len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode)
+                                      len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode,
+                                      parser)
             return await self.run(req, gen_req, hint, builder, start)
         except APIError as e:
             status = e.status
@@ -219,6 +231,24 @@ class Router:
             return error_response(APIError(f"internal error: {cause(e)}", status=500, type="internal_error"))
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def chat_prompt(self, req: ChatCompletionRequest, structured: tuple[str, dict[str, Any]] | None
+                    ) -> tuple[list[list[int]], tuple[str, dict[str, Any]] | None, Any]:
+        """Prompt ids through the chat template (with tools), the output constraint (a forced tool choice
+        constrains to one call), and the tool parser for the output (None without tools)."""
+        forced = req.forced_tools()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools() else None
+        try:
+            text = render_chat(self.tokenizer, [m.render() for m in req.messages], tools, req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(str(e), param=str(e).split(":")[0]) from None
+        if forced:
+            if structured is not None:
+                raise APIError(f"tool_choice {req.tool_choice!r} constrains the output; it cannot be combined with "
+                               f"{structured[0]}", param="tool_choice")
+            structured = ("tool_choice", {"grammar": self.tool_parser.forced_grammar(forced)})
+        prompts = [self.tokenizer(text, add_special_tokens=False).input_ids]
+        return prompts, structured, self.tool_parser if tools else None
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest) -> Response:

@@ -1,4 +1,4 @@
-"""`conveyor` command line: make-model, generate."""
+"""`conveyor` command line: make-model, fetch, generate."""
 import argparse
 import sys
 
@@ -7,10 +7,16 @@ from engine.demo import add_make_model_args, run_make_model
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
         print(out.outputs[0].text)
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from engine.model_source import resolve_model
+    print(resolve_model(args.model, args.revision))
     return 0
 
 
@@ -20,12 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     make = sub.add_parser("make-model", help="write a deterministic random-weight demo checkpoint")
     add_make_model_args(make)
     make.set_defaults(func=run_make_model)
+    fetch = sub.add_parser("fetch", help="download / convert a model into the local cache, print its path")
+    fetch.add_argument("model")
+    fetch.add_argument("--revision", default=None)
+    fetch.set_defaults(func=_fetch)
     gen = sub.add_parser("generate", help="complete prompts offline")
     gen.add_argument("--model", default="demo:tiny")
     gen.add_argument("--prompt", action="append", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--revision", default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.set_defaults(func=_generate)

@@ -3,6 +3,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.model_source import resolve_model
 from engine.models.llama import ARCHITECTURES
 from engine.parallel import check_shardable
 
@@ -16,6 +17,7 @@ def _fail(name: str, message: str) -> None:
 @dataclass
 class EngineConfig:
     model: str = "demo:tiny"
+    revision: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -79,8 +81,7 @@ class EngineConfig:
         return "cpu" if self.dtype in ("float32", "bfloat16") and cpu_ops.load() is not None else "torch"
 
     def _load_model_config(self) -> None:
-        from engine.demo import resolve_model
-        self.model_path = resolve_model(self.model)
+        self.model_path = resolve_model(self.model, self.revision)
         config = AutoConfig.from_pretrained(self.model_path)
         arch = (getattr(config, "architectures", None) or ["?"])[0]
         if arch not in ARCHITECTURES:

@@ -4,6 +4,7 @@ from dataclasses import fields
 
 from tqdm import tqdm
 
+from engine.chat_template import render_chat
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -57,6 +58,18 @@ class LLM:
                 sub = p if p.n == 1 else _sub_params(p, j)
                 self.engine.add_request(rid, ids, sub, priority=prio, prompt=text, cache_salt=salt)
         return self._run(order, len(prompts), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered with the model's chat template;
+        `tools` (OpenAI function specs) go to the template, which must support them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = render_chat(self.tokenizer, conv, tools, add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * num_prompts

@@ -13,7 +13,7 @@ from engine.loader import load_weights
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel import tp_rank
 from engine.persistent_batch import PersistentBatch
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SamplingBatch, add_constraints, sample
 from engine.sampling_params import SamplingParams
 from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from kernels import attention_ops
@@ -141,7 +141,10 @@ class ModelRunner:
                 self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
         input_ids, positions, meta, sample_idx = self._prepare(chunks)
         sampled = [c.req_id for c in chunks if c.sample]
-        batch = self._sampling_batch(sampled) if self.rank == 0 else None
+        batch = None
+        if self.rank == 0:
+            batch = add_constraints(self._sampling_batch(sampled), [self.requests[r].params for r in sampled],
+                                    sampled, so.grammar, self.device)
         tokens, logprobs = self._run(input_ids, positions, meta, sample_idx, batch)
         if self.rank != 0:
             return None

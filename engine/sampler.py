@@ -1,7 +1,30 @@
-"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs."""
+"""Batched sampling: penalties, logit bias, structured-output token masks, temperature, top-k/top-p/min-p,
+per-request seeds, logprobs."""
 from dataclasses import dataclass
 
 import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GrammarBitmask:
+    """Packed allowed-token bits (int32 [k, ceil(vocab / 32)], bit j of word w = token 32 w + j) for the
+    constrained requests of one step, by request id."""
+
+    req_ids: list[str]
+    bits: torch.Tensor
+
+    def rows(self, sampled: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the sampled batch, their bits) in the runner's sampled order."""
+        where = {r: i for i, r in enumerate(sampled)}
+        keep = [(where[r], j) for j, r in enumerate(self.req_ids) if r in where]
+        rows, src = zip(*keep) if keep else ((), ())
+        return (torch.tensor(rows, dtype=torch.long, device=device),
+                self.bits[list(src)].to(device, non_blocking=True))
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass
@@ -20,11 +43,36 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None
     banned_tokens: torch.Tensor | None
     num_logprobs: list[int | None]
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    mask_rows: torch.Tensor | None = None
+    mask_bits: torch.Tensor | None = None
 
     @property
     def max_logprobs(self) -> int | None:
         wanted = [n for n in self.num_logprobs if n is not None]
         return max(wanted) if wanted else None
+
+
+def add_constraints(b: SamplingBatch, params: list[SamplingParams], sampled: list[str],
+                    grammar: GrammarBitmask | None, device: torch.device) -> SamplingBatch:
+    """Adds the per-request logit bias and this step's grammar bitmask to a batch."""
+    bias = [(i, t, v) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
+    if bias:
+        rows, toks, vals = zip(*bias)
+        b.bias_rows, b.bias_tokens = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, toks))
+        b.bias_values = torch.tensor(vals, dtype=torch.float32, device=device)
+    if grammar is not None:
+        b.mask_rows, b.mask_bits = grammar.rows(sampled, device)
+    return b
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    allowed = ((bits[:, :, None] >> _BIT.to(bits.device)) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -57,6 +105,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, list[d
     logprobs = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
     if b.banned_rows is not None:
         logits[b.banned_rows, b.banned_tokens] = float("-inf")
+    if b.bias_rows is not None:
+        logits.index_put_((b.bias_rows, b.bias_tokens), b.bias_values, accumulate=True)
+    if b.mask_rows is not None and len(b.mask_rows):
+        logits = apply_bitmask(logits, b.mask_rows, b.mask_bits)
     if b.output_counts is not None:
         logits = apply_penalties(logits, b)
     tokens = logits.argmax(dim=-1)

@@ -1,4 +1,6 @@
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -12,6 +14,52 @@ def _is_int(x: object) -> bool:
 
 def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class StructuredParams:
+    """One output constraint, vLLM's shape: a JSON schema, any JSON object, a regex, a choice, or an EBNF grammar."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    kind: str = field(init=False, repr=False)
+    text: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        _check(self.json_object in (True, False), "structured.json_object", f"must be a bool, got {self.json_object!r}")
+        _check(len(given) == 1, "structured", f"needs exactly one of json, json_object, regex, choice, grammar; got {given}")
+        self.kind = given[0]
+        if self.kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    _check(False, "structured.json", f"is not valid JSON: {e}")
+            _check(isinstance(schema, (dict, bool)), "structured.json", f"must be a JSON schema object, got {schema!r}")
+            self.text = json.dumps(schema)
+        elif self.kind == "choice":
+            _check(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c for c in self.choice),
+                   "structured.choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.text = json.dumps(self.choice)
+        elif self.kind == "json_object":
+            self.text = ""
+        else:
+            value = getattr(self, self.kind)
+            _check(isinstance(value, str) and value, f"structured.{self.kind}", f"must be a non-empty string, got {value!r}")
+            self.text = value
+        from engine.structured_output import check_constraint
+        error = check_constraint(self.kind, self.text)
+        _check(error is None, f"structured.{self.kind}", f"is not a valid constraint: {error}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.text
 
 
 @dataclass
@@ -33,6 +81,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredParams | dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +114,18 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.structured, dict):
+            self.structured = StructuredParams(**self.structured)
+        _check(self.structured is None or isinstance(self.structured, StructuredParams), "structured",
+               f"must be a StructuredParams, a dict of its fields, or None, got {type(self.structured).__name__}")
+        if self.structured is not None:
+            _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured: the constraint ends the output")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured: the constraint ends the output")
+        bias = self.logit_bias or {}
+        _check(isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100
+                                              for t, b in bias.items()), "logit_bias",
+               f"must map non-negative token ids to numbers in [-100, 100], got {self.logit_bias!r}")
+        self.logit_bias = {t: float(b) for t, b in bias.items()} or None
 
     @property
     def greedy(self) -> bool:

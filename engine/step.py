@@ -1,7 +1,11 @@
 """The small data objects that cross between scheduler, executor and model runner each step."""
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampler import GrammarBitmask
 
 
 @dataclass
@@ -29,6 +33,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    grammar: "GrammarBitmask | None" = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.demo import resolve_model
+from engine.model_source import resolve_model
 
 PROMPTS = [
     "def",

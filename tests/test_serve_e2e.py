@@ -212,6 +212,16 @@ def test_n_and_batch_and_httpx_stream(server: SimpleNamespace) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 50}, 400, "top_logprobs"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"type": "bogus"}}}},
+     400, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[z-a]"}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400, "guided_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": "red"}]}, 400, "messages"),
 ])
 def test_bad_requests(server: SimpleNamespace, path: str, body: dict, status: int, param: str) -> None:
     r = server.http.post(path, json=body)
