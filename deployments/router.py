@@ -21,6 +21,7 @@ from deployments.protocol import (
 )
 from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
 from engine import SamplingParams
+from engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
 from engine.model_source import resolve_model
 
 app = FastAPI(title="Conveyor")
@@ -47,7 +48,9 @@ class Router:
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, revision))
+        path = resolve_model(model, revision)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.generation_defaults = load_generation_defaults(path)
         self.metrics = RouterMetrics()
         self._info: dict[str, Any] | None = None
         self.block_size = block_size
@@ -93,7 +96,8 @@ class Router:
                                f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion). "
                                f"Please reduce the length of the {where} or completion.",
                                param=where if len(ids) >= limit else "max_tokens")
-        sampling = req.sampling(max_tokens or limit - max(len(p) for p in prompts))
+        sampling = self.generation_defaults.apply(req.sampling(max_tokens or limit - max(len(p) for p in prompts)),
+                                                  set(SAMPLING_KEYS) - req.model_fields_set)
         try:
             SamplingParams(**sampling)
         except (ValueError, TypeError) as e:
