@@ -61,7 +61,7 @@ def test_max_model_len_defaults_to_what_the_kv_cache_holds(caplog: pytest.LogCap
 ])
 def test_sliding_window_caps_or_refuses(tmp_path: Path, arch: str, config: dict) -> None:
     path = str(make_model(tmp_path / arch, arch=arch, config=config))
-    with pytest.raises(ValueError, match=r"EngineConfig.max_model_len \(128\) exceeds the model's sliding_window \(64\)"):
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) exceeds the model's sliding_window \(64\)"):
         LLM(path, max_model_len=128)
     llm = LLM(path, dtype="float32", num_blocks=16)
     assert llm.engine.max_model_len == 64

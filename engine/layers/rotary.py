@@ -20,7 +20,8 @@ def check_rope(config: PretrainedConfig) -> None:
     kind = rope_parameters(config)["rope_type"]
     if kind not in ROPE_TYPES:
         why = REFUSED.get(kind, "unknown to this engine")
-        raise ValueError(f"rope_scaling.rope_type {kind!r} is not supported ({why}); supported: {', '.join(ROPE_TYPES)}")
+        raise ValueError(f"rope_scaling.rope_type {kind!r} is not supported ({why}); "
+                         f"supported: {', '.join(ROPE_TYPES)}")
 
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
