@@ -23,6 +23,7 @@ from deployments.responses import DONE, ResponseBuilder, error_response, install
 from deployments.tool_parsers import TOOL_PARSERS
 from engine import SamplingParams
 from engine.chat_template import render_chat
+from engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
 from engine.model_source import resolve_model
 from engine.sampling_params import StructuredParams
 
@@ -51,7 +52,9 @@ class Router:
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(model, revision))
+        path = resolve_model(model, revision)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.generation_defaults = load_generation_defaults(path)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.tool_parser = TOOL_PARSERS[tool_call_parser]()
@@ -100,7 +103,8 @@ class Router:
                                f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion). "
                                f"Please reduce the length of the {where} or completion.",
                                param=where if len(ids) >= limit else "max_tokens")
-        sampling = req.sampling(max_tokens or limit - max(len(p) for p in prompts))
+        sampling = self.generation_defaults.apply(req.sampling(max_tokens or limit - max(len(p) for p in prompts)),
+                                                  set(SAMPLING_KEYS) - req.model_fields_set)
         if structured is not None:
             field, fields = structured
             try:

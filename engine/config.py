@@ -1,13 +1,28 @@
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.layers.rotary import check_rope
 from engine.model_source import resolve_model
 from engine.models.llama import ARCHITECTURES
 from engine.parallel import check_shardable
 
+log = logging.getLogger("conveyor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The attention window the config asks for (Mistral sliding_window; Qwen2/3 use_sliding_window with
+    layer_types from max_window_layers), or None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
 
 
 def _fail(name: str, message: str) -> None:
@@ -71,6 +86,7 @@ class EngineConfig:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.max_model_len_from_model = self.max_model_len is None
         if self.hf_config is None:
             self._load_model_config()
         if self.attention_backend == "auto":
@@ -94,11 +110,30 @@ class EngineConfig:
             check_shardable(config, self.tensor_parallel_size)
         except ValueError as e:
             _fail("tensor_parallel_size", f"cannot shard {self.model}: {e}")
-        limit = config.max_position_embeddings
+        try:
+            check_rope(config)
+        except ValueError as e:
+            _fail("model", f"{self.model}: {e}")
+        limit, window = config.max_position_embeddings, sliding_window_of(config)
         if self.max_model_len is None:
-            self.max_model_len = limit
+            self.max_model_len = limit if window is None else min(limit, window)
+            if self.max_model_len < limit:
+                log.info("max_model_len %d: the model's sliding_window (sliding-window attention is not "
+                         "implemented; within one window attention is exact)", window)
         elif self.max_model_len > limit:
             _fail("max_model_len", f"({self.max_model_len}) exceeds the model's max_position_embeddings ({limit})")
+        elif window is not None and self.max_model_len > window:
+            _fail("max_model_len", f"({self.max_model_len}) exceeds the model's sliding_window ({window}): "
+                                   f"sliding-window attention is not implemented, so only sequences within one "
+                                   f"window are served exactly; set max_model_len <= {window}")
+
+    def fit_max_model_len(self, num_blocks: int) -> None:
+        """A max_model_len taken from the model shrinks to what the KV cache can hold for one sequence."""
+        fits = num_blocks * self.block_size
+        if self.max_model_len_from_model and fits < self.max_model_len:
+            log.info("max_model_len %d (the KV cache's %d blocks of %d tokens), below the model's %d",
+                     fits, num_blocks, self.block_size, self.max_model_len)
+            self.max_model_len = fits
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -205,12 +205,15 @@ def make_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
 
 
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tiny", dtype: str = "float32",
-               tied: bool = False, seed: int = 0) -> Path:
+               tied: bool = False, seed: int = 0, config: dict | None = None,
+               generation_config: dict | None = None) -> Path:
+    """`config` / `generation_config` entries override the generated ones (rope_scaling, sliding_window, ...)."""
     spec = DemoSpec(arch, size, dtype, tied, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = {**tokenizer_files(), "config.json": _json(model_config(spec)),
-             "generation_config.json": _json({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})}
+    gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, **(generation_config or {})}
+    files = {**tokenizer_files(), "config.json": _json({**model_config(spec), **(config or {})}),
+             "generation_config.json": _json(gen)}
     for fname, text in files.items():
         (out / fname).write_text(text, "utf-8")
     save_file(make_weights(spec), str(out / "model.safetensors"), metadata={"format": "pt"})

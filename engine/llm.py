@@ -20,6 +20,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: the checkpoint's generation_config.json defaults."""
+        return self.engine.default_sampling_params()
+
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
@@ -38,7 +42,10 @@ class LLM:
                  cache_salt: list[str | None] | None = None) -> list[RequestOutput]:
         """cache_salt (or a prompt dict's "cache_salt" key): prefix-cache hits only among equal salts."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, list):
+            params = sampling_params
+        else:
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         priority = priority or [0] * len(prompts)

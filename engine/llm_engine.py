@@ -10,6 +10,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import make_executor
+from engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from engine.kv_events import KVEvents
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -23,25 +24,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor")
 
 
-def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase, defaults: GenerationDefaults) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos = getattr(config.hf_config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids
+    return ids | set(defaults.eos_token_ids)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.generation_defaults = load_generation_defaults(config.model_path)
         self.vocab_size = config.hf_config.vocab_size
-        self.max_model_len = config.max_model_len
         self.executor = make_executor(config)
         if self.executor.num_blocks < 1:
             raise ValueError("EngineConfig.kv_cache_memory leaves no room for a single KV block")
+        config.fit_max_model_len(self.executor.num_blocks)
+        self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.executor.num_swap_blocks)
-        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids(config, self.tokenizer))
+        eos = eos_token_ids(config, self.tokenizer, self.generation_defaults)
+        self.scheduler = Scheduler(config, self.block_manager, eos)
         self._structured = None
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -50,6 +54,10 @@ class LLMEngine:
         self.num_finished = self.num_aborted = 0
         self.stream_outputs = True  # False: step() returns finished requests only (offline generate)
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's generation_config.json defaults, as vLLM applies them."""
+        return SamplingParams(**self.generation_defaults.sampling)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

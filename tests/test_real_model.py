@@ -36,8 +36,8 @@ def test_cached_once_from_the_verified_wheel() -> None:
 
 def test_greedy_chat_matches_transformers(llm: LLM) -> None:
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("demo:smollm2"), dtype=torch.float32)
     for ids, out in zip(prompts, outs):
         x = torch.tensor([ids])

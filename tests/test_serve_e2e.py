@@ -72,15 +72,18 @@ def test_serve_run_config(tmp_path: Path) -> None:
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, 120, proc)
-        r = httpx.post(f"{url}/v1/completions", json={"model": "demo:tiny", "prompt": PROMPT, "max_tokens": 4,
-                                                      "temperature": 0}, timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        wait_ready(url, 300, proc)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "demo:smollm2"
+        r = httpx.post(f"{url}/v1/completions", json={"model": "demo:smollm2", "prompt": "The capital of France is",
+                                                      "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
         openai = pytest.importorskip("openai")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        chunks = list(client.chat.completions.create(model="demo:tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4, stream=True))
-        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        chunks = list(client.chat.completions.create(model="demo:smollm2", messages=question, max_tokens=16,
+                                                     temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The capital of France is Paris."
+        assert chunks[-1].choices[0].finish_reason == "stop"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out[-3000:]

@@ -1,4 +1,6 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat packed batch of tokens."""
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -8,7 +10,7 @@ from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from kernels import AttentionOps
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -18,8 +20,12 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def fused_rope(ops: AttentionOps, head_dim: int) -> ModuleType | None:
+    return ops.fused if head_dim % 32 == 0 else None
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps) -> None:
         super().__init__()
         arch = config.architectures[0]
         self.head_dim = head_dim_of(config)
@@ -33,10 +39,12 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, ops.fused)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
+        self.fused_rope = fused_rope(ops, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """rope: this step's (cos, sin), or with the fused kernel (positions, the model's RotaryEmbedding)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -44,7 +52,11 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.fused_rope is not None:
+            positions, table = rope
+            self.fused_rope.rotary_embedding_(positions, q, k, table.cos, table.sin)  # in place on this step's q, k
+        else:
+            q, k = apply_rotary(q, k, *rope)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(-1, q_size))
 
@@ -66,20 +78,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, ops, max_positions)
+        self.self_attn = DecoderAttention(config, ops)
         self.mlp = MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.fused)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(rope, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -91,17 +103,19 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, max_positions)
-                                    for _ in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.fused)
+        self.fused_rope = fused_rope(ops, head_dim_of(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = (positions, self.rotary_emb) if self.fused_rope else self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
