@@ -23,14 +23,26 @@ class AdmissionActor:
     def __init__(self, config: dict[str, Any] | None = None, clock: Callable[[], float] = time.time):
         self.clock = clock
         self.controller = AdmissionController(AdmissionConfig(**(config or {})))
+        self.metric_dumps: dict[str, list[dict[str, Any]]] = {}
 
     def report(self, stats: dict[str, Any]) -> None:
+        if "metrics" in stats:
+            self.metric_dumps[str(stats["replica_id"])] = stats.pop("metrics")
         now = self.clock()
         self.controller.update(ReplicaStats.from_dict(stats), now)
         self.controller.expire(now)
 
     def forget(self, replica_id: str) -> None:
         self.controller.forget(replica_id)
+        if replica_id in self.metric_dumps:  # a departed source keeps its counters, so sums never go back
+            self.metric_dumps[replica_id] = [f for f in self.metric_dumps[replica_id] if f["type"] != "gauge"]
+
+    def report_metrics(self, source: str, dump: list[dict[str, Any]]) -> None:
+        """Prometheus families (deployments.metrics dump format) of a router, rendered by every router."""
+        self.metric_dumps[source] = dump
+
+    def metrics(self) -> dict[str, list[dict[str, Any]]]:
+        return self.metric_dumps
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.step_trace import StepTrace
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -37,6 +38,7 @@ class LLMEngine:
         self.logprobs: dict[str, list[dict[int, float]]] = {}
         self.prompts: dict[str, str | None] = {}
         self.num_finished = self.num_aborted = 0
+        self.step_trace = StepTrace()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -82,9 +84,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         so = self.scheduler.schedule()
         ro = self.executor.execute_model(so)
-        changed = self.scheduler.update(so, ro, time.monotonic())
+        self.step_trace.record(so, self.scheduler, self.block_manager, start)
+        now = time.monotonic()
+        changed = self.scheduler.update(so, ro, now)
         logprobs = dict(zip(ro.req_ids, ro.logprobs))
         outputs = []
         for seq in changed:
@@ -97,10 +102,10 @@ class LLMEngine:
                 stop = detok.add(seq.output_token_ids[i], i + 1)
                 if stop is not None and not seq.is_finished:
                     self.scheduler.finish(seq, "stop", stop)
-            outputs.append(self._output(seq))
+            outputs.append(self._output(seq, now))
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, last_token_time: float | None = None) -> RequestOutput:
         rid, done = seq.request_id, seq.is_finished
         detok = self.detokenizers[rid]
         if done:
@@ -113,7 +118,8 @@ class LLMEngine:
         completion = CompletionOutput(0, detok.visible_text(done), seq.output_token_ids, seq.finish_reason,
                                       seq.stop_reason, logprobs if seq.params.logprobs is not None else None)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.finish_time, seq.num_preemptions, seq.num_cached_tokens)
+                                 last_token_time if seq.first_token_time else None, seq.finish_time,
+                                 seq.num_preemptions, seq.num_cached_tokens)
         prompt = self.prompts.pop(rid) if done else self.prompts[rid]
         return RequestOutput(rid, prompt, seq.prompt_token_ids, [completion], done, metrics)
 
@@ -124,7 +130,7 @@ class LLMEngine:
             num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
             num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
-            num_finished=self.num_finished, num_aborted=self.num_aborted)
+            num_finished=self.num_finished, num_aborted=self.num_aborted, **self.step_trace.counters())
 
     def check_health(self) -> None:
         self.executor.check_health()

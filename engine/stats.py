@@ -1,6 +1,8 @@
 from dataclasses import asdict, dataclass, field
 import time
 
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass
 class EngineStats:
@@ -17,6 +19,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_steps: int = 0
+    iteration_tokens_sum: int = 0
+    iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)
 
     @property
