@@ -1,4 +1,4 @@
-"""`conveyor` command line: make-model, generate."""
+"""`conveyor` command line: make-model, generate, bench (serve, throughput, timeline)."""
 import argparse
 import sys
 
@@ -12,6 +12,11 @@ def _generate(args: argparse.Namespace) -> int:
     for out in llm.generate(args.prompt, params, use_tqdm=False):
         print(out.outputs[0].text)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from benchmarks.cli import main as bench_main
+    return bench_main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.set_defaults(func=_generate)
+    bench = sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible URL), throughput, timeline",
+                           add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
