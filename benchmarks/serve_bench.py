@@ -195,7 +195,7 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], elapsed: f
         "slo": slo, "goodput": len(good) / elapsed, "good_fraction": len(good) / len(results) if results else 0.0,
         "errors": sorted({r.error for r in results if r.error})[:5]}
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
-    config["request_rate"] = str(config["request_rate"])
+    config.update(request_rate=str(config["request_rate"]), out=str(args.out), plot=str(args.plot))
     return {"config": config, "summary": summary, "requests": [asdict(r) for r in results]}
 
 

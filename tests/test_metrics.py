@@ -219,3 +219,28 @@ def test_grafana_dashboard_queries_only_exported_series() -> None:
                 + router.dump()}
     assert used and used <= exported, used - exported
     assert {"conveyor:serve_overhead_seconds", "conveyor:inter_token_latency_seconds"} <= used
+
+
+@pytest.mark.slow
+def test_bench_serve_end_to_end_agrees_with_the_metrics(app: SimpleNamespace, tmp_path: Path) -> None:
+    from engine.cli import main
+    before = samples(app.http.get("/metrics").text)
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    assert main(["bench", "serve", "--base-url", app.url, "--num-requests", "6", "--request-rate", "20",
+                 "--concurrency", "4", "--prompt-len", "shared-prefix:32,8", "--output-len", "uniform:2,6",
+                 "--slo", "ttft=30,itl=10", "--quiet", "--out", str(out), "--plot", str(plot)]) == 0
+    result = json.loads(out.read_text())
+    s, reqs = result["summary"], result["requests"]
+    assert s["completed"] == 6 and s["failed"] == 0 and s["good_fraction"] == 1.0
+    assert s["output_tokens"] == sum(r["output_tokens"] for r in reqs) and all(2 <= r["output_tokens"] <= 6 for r in reqs)
+    assert all(r["ttft_s"] <= r["e2e_s"] and len(r["itl_s"]) <= r["output_tokens"] - 1 for r in reqs)
+    assert s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] and s["output_throughput"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def delta(x: dict, name: str, **labels: str) -> float:
+        return total(x, name, **labels) - total(before, name, **labels)
+    after = scrape_until(app.http, lambda x: delta(x, "conveyor:request_success_total") >= 6)
+    assert delta(after, "conveyor:request_success_total", finished_reason="length") == 6
+    assert delta(after, "conveyor:generation_tokens_total") == s["output_tokens"]
+    assert delta(after, "conveyor:prompt_tokens_total") == s["prompt_tokens"] == 6 * 40
+    assert delta(after, "conveyor:prefix_cache_hits_total") > 0
