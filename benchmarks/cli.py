@@ -8,7 +8,7 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="bench", required=True)
     from benchmarks import serve_bench, throughput_bench, timeline
     for name, module in (("serve", serve_bench), ("throughput", throughput_bench), ("timeline", timeline)):
-        p = sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
+        p = sub.add_parser(name, help=module.__doc__.splitlines()[0].split(": ", 1)[-1], description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_args(p)
         p.set_defaults(func=module.main)

@@ -14,9 +14,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(argv: list[str]) -> int:
     from benchmarks.cli import main as bench_main
-    return bench_main(args.rest)
+    return bench_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.set_defaults(func=_generate)
-    bench = sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible URL), throughput, timeline",
-                           add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_bench)
+    sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible URL), throughput, timeline")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

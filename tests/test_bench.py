@@ -99,3 +99,23 @@ def test_bench_rejects_bad_options(capsys: pytest.CaptureFixture) -> None:
     assert "--slo" in capsys.readouterr().err
     assert main(["bench", "timeline", "--prompt-len", "gauss:3"]) == 2
     assert "--prompt-len" in capsys.readouterr().err
+
+
+def test_serve_bench_goodput_and_percentiles() -> None:
+    import argparse
+    from benchmarks.serve_bench import RequestResult, parse_slo, summarize
+    fast = RequestResult(0.0, 10, ok=True, ttft_s=0.2, e2e_s=0.5, output_tokens=4, itl_s=[0.1, 0.1, 0.1])
+    slow_start = RequestResult(0.1, 10, ok=True, ttft_s=0.8, e2e_s=0.9, output_tokens=4, itl_s=[0.03] * 3)
+    jerky = RequestResult(0.2, 10, ok=True, ttft_s=0.1, e2e_s=0.4, output_tokens=3, itl_s=[0.01, 0.29])
+    failed = RequestResult(0.3, 10, error="HTTPStatusError: 503")
+    slo = parse_slo("ttft=0.5,itl=0.12")
+    assert [r.meets(slo) for r in (fast, slow_start, jerky, failed)] == [True, False, False, False]
+    assert jerky.tpot_s == pytest.approx(0.15) and fast.tpot_s == pytest.approx(0.1)
+    args = argparse.Namespace(request_rate=float("inf"), out=Path("x.json"), plot=Path("x.png"), model="m")
+    s = summarize(args, [fast, slow_start, jerky, failed], 2.0, slo)["summary"]
+    assert s["completed"] == 3 and s["failed"] == 1 and s["goodput"] == 0.5 and s["good_fraction"] == 0.25
+    assert s["output_tokens"] == 11 and s["output_throughput"] == 5.5 and s["request_throughput"] == 1.5
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2) and s["itl_s"]["mean"] == pytest.approx(0.69 / 8)
+    assert s["errors"] == ["HTTPStatusError: 503"]
+    with pytest.raises(ValueError, match="--slo"):
+        parse_slo("latency=1")
