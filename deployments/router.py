@@ -163,7 +163,7 @@ class Router:
     async def run(self, req: SamplingRequest, gen_req: GenerateRequest, hint: RoutingHint, builder: ResponseBuilder,
                   start: float) -> Response:
         stream = self.stream(gen_req, hint, time.time() - (time.perf_counter() - start))
-        endpoint = "chat" if isinstance(req, ChatCompletionRequest) else "completions"
+        endpoint = "/v1/chat/completions" if isinstance(req, ChatCompletionRequest) else "/v1/completions"
         try:
             first = await anext(stream, Chunk(deltas=[]))
         except Exception as e:
