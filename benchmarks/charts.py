@@ -71,18 +71,20 @@ def throughput_chart(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(workloads), 3.6), dpi=80)
     width = 0.8 / len(policies)
     for j, policy in enumerate(policies):
-        xs, ys = [], []
+        xs, ys, labels = [], [], []
         for i, w in enumerate(workloads):
             r = next((r for r in rows if r["workload"] == w and r["policy"] == policy), None)
             if r is not None:
                 xs.append(i + (j - (len(policies) - 1) / 2) * width)
                 ys.append(r["tok_per_s"])
+                labels.append(f"{r['tok_per_s']:.0f}\n{r['steps']} steps")
         bars = ax.bar(xs, ys, width, label=policy)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.bar_label(bars, labels, fontsize=7)
     ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"bench throughput: {result['config']['model']} ({result['config']['dtype']})", fontsize=10)
     ax.legend(fontsize=8)
+    ax.margins(y=0.18)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

@@ -96,9 +96,6 @@ class ReplicaMetrics:
     """Engine-side series of one LLM replica: live gauges and counters from EngineStats, per-request
     histograms from each RequestOutput's RequestMetrics (engine timestamps, time.monotonic)."""
 
-    COUNTERS = {"num_preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
-                "prefix_cache_hits": "prefix_cache_hits"}
-
     def __init__(self, model_name: str, replica: str) -> None:
         self.labels = {"model_name": model_name, "replica": replica}
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -225,9 +222,9 @@ class RouterMetrics:
         return dump(self.registry)
 
     def render(self, sources: dict[str, Dump] | None = None) -> bytes:
-        """Every source's latest dump, then the router-local series. Once this router's own series reach
-        the shared `sources` they are shown from there, so whichever router answers a scrape, a counter
-        never reads lower than an earlier scrape showed."""
+        """Every source's latest dump, then the router-local series. The router pushes its own dump to the
+        shared `sources` before reading them, so whichever router answers a scrape, a counter never
+        reads lower than an earlier scrape showed."""
         merged = {**self.sources, **(sources or {})}
         merged.setdefault(self.router, self.dump())
         return render(merged.values()) + generate_latest(self.local)

@@ -271,7 +271,9 @@ class Router:
         snapshot, sources = (self.gate.snapshot if self.gate is not None else None), None
         if self.gate is not None:
             try:
-                sources = await asyncio.wait_for((await self.metrics_actor()).metrics.remote(), 2.0)
+                actor = await self.metrics_actor()  # this router's series go first, so every router shows them
+                await asyncio.wait_for(actor.report_metrics.remote(self.metrics.router, self.metrics.dump()), 2.0)
+                sources = await asyncio.wait_for(actor.metrics.remote(), 2.0)
             except Exception as e:
                 self._metrics_actor = None
                 log.warning("cannot read the replicas' metrics from the admission actor: %r", e)
