@@ -29,10 +29,14 @@ class AdmissionActor:
         self.clock = clock
         self.controller = AdmissionController(AdmissionConfig(**(config or {})))
         self.routers: dict[str, float] = {}
+        self.metric_dumps: dict[str, list[dict[str, Any]]] = {}
 
     def report(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """A replica's push: its stats and, under "kv_events", its KVEvents dict. The answer asks for a full
-        listing of its KV keys when the index has none for it (first contact, or this actor restarted)."""
+        """A replica's push: its stats, under "kv_events" its KVEvents dict, under "metrics" its metric families.
+        The answer asks for a full listing of its KV keys when the index has none for it (first contact, or this
+        actor restarted)."""
+        if "metrics" in stats:
+            self.metric_dumps[str(stats["replica_id"])] = stats.pop("metrics")
         now = self.clock()
         reset = self.controller.update(ReplicaStats.from_dict(stats), now, stats.get("kv_events"))
         self.controller.expire(now)
@@ -56,6 +60,15 @@ class AdmissionActor:
 
     def forget(self, replica_id: str) -> None:
         self.controller.forget(replica_id)
+        if replica_id in self.metric_dumps:  # a departed source keeps its counters, so sums never go back
+            self.metric_dumps[replica_id] = [f for f in self.metric_dumps[replica_id] if f["type"] != "gauge"]
+
+    def report_metrics(self, source: str, dump: list[dict[str, Any]]) -> None:
+        """Prometheus families (deployments.metrics dump format) of a router, rendered by every router."""
+        self.metric_dumps[source] = dump
+
+    def metrics(self) -> dict[str, list[dict[str, Any]]]:
+        return self.metric_dumps
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()

@@ -394,3 +394,6 @@ class Chunk(TypedDict, total=False):
     first_s: float
     replica: str
     stats: dict[str, Any]
+    emitted_at: float
+    ingress_s: float
+    metrics: list[dict[str, Any]]

@@ -9,6 +9,7 @@ from ray import serve
 
 from cluster.routing import RoutingHint
 from cluster.stats import ReplicaStats, push_due
+from deployments.metrics import ReplicaMetrics, wall
 from deployments.protocol import Chunk, Delta, GenerateRequest
 from deployments.responses import merge_deltas
 from engine import AsyncEngine, EngineConfig, SamplingParams
@@ -34,6 +35,7 @@ class LLMReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
             self.replica_id = "local"
+        self.metrics = ReplicaMetrics(self.engine.model_name, self.replica_id)
         self.stats_push_s, self._actor = stats_push_s, None
         self._pusher = asyncio.create_task(self._push_loop()) if stats_push_s > 0 else None
 
@@ -54,8 +56,9 @@ class LLMReplica:
                 continue
             events = self.engine.drain_kv_events(MAX_KV_EVENTS)
             try:
-                answer = await asyncio.wait_for(
-                    self.admission().report.remote({**current.to_dict(), "kv_events": events.to_dict()}), timeout=2.0)
+                report = {**current.to_dict(), "kv_events": events.to_dict(),
+                          "metrics": self.metrics.dump(self.engine.stats())}
+                answer = await asyncio.wait_for(self.admission().report.remote(report), timeout=2.0)
                 last, last_at = current, now
                 if (answer or {}).get("kv_reset"):
                     self.engine.request_kv_reset()
@@ -83,11 +86,14 @@ class LLMReplica:
         self.engine.check_health()
 
     async def _pump(self, index: int, request_id: str, prompt: list[int], sp: SamplingParams, priority: int,
-                    queue: asyncio.Queue) -> None:
+                    queue: asyncio.Queue, clock: dict[str, float]) -> None:
         text_len, num_ids, finish = 0, 0, None
         try:
             async for out in self.engine.generate(prompt_token_ids=prompt, sampling_params=sp,
                                                   request_id=request_id, priority=priority):
+                self.metrics.observe_output(out)
+                clock["arrival"] = min(clock.get("arrival", float("inf")), wall(out.metrics.arrival_time))
+                clock["output"] = wall(out.metrics.last_token_time) if out.metrics.last_token_time else time.time()
                 c = out.outputs[0]
                 finish = (c.finish_reason or "stop") if out.finished else None
                 queue.put_nowait(Delta(index=index, text=c.text[text_len:], token_ids=list(c.token_ids[num_ids:]),
@@ -103,7 +109,9 @@ class LLMReplica:
         rate = self.num_streams / self.stream_chunks_per_s if self.stream_chunks_per_s else 0.0
         return max(self.stream_interval_s, rate)
 
-    async def generate(self, req: GenerateRequest, routing_hint: RoutingHint | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerateRequest, routing_hint: RoutingHint | None = None,
+                       received_at: float | None = None) -> AsyncIterator[Chunk]:
+        """received_at: the router's time.time() at receipt, for the ingress share of serve_overhead."""
         jobs = []
         for p, prompt in enumerate(req.prompts):
             for i in range(req.n):
@@ -114,7 +122,8 @@ class LLMReplica:
                 self.engine.validate(prompt, sp)
                 jobs.append((p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp))
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue))
+        clock: dict[str, float] = {}
+        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock))
                  for idx, rid, prompt, sp in jobs]
         live = {idx: rid for idx, rid, _, _ in jobs}
         start, last, pending = time.perf_counter(), 0.0, []
@@ -133,11 +142,15 @@ class LLMReplica:
                         live.pop(d["index"], None)
                 pending += new
                 if req.stream or not live:
-                    chunk = Chunk(deltas=merge_deltas(pending))
+                    chunk = Chunk(deltas=merge_deltas(pending), emitted_at=clock.get("output", time.time()))
                     if not last:
                         chunk.update(first_s=time.perf_counter() - start, replica=self.replica_id)
+                        if received_at is not None and "arrival" in clock:
+                            chunk.update(ingress_s=clock["arrival"] - received_at)
                     if not live:
                         chunk.update(replica=self.replica_id, stats=self.stats())
+                        if not self.stats_push_s:
+                            chunk.update(metrics=self.metrics.dump(self.engine.stats()))
                     pending = []
                     yield chunk
                     last = time.perf_counter()

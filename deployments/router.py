@@ -1,4 +1,5 @@
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -15,7 +16,7 @@ from cluster.admission import prometheus_text
 from cluster.admission_actor import AdmissionClient
 from cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from cluster.stats import block_hashes, num_blocks
-from deployments.metrics import RouterMetrics
+from deployments.metrics import ResponseCounter, RouterMetrics
 from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
@@ -27,8 +28,10 @@ from engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
 from engine.model_source import resolve_model
 from engine.sampling_params import StructuredParams
 
+log = logging.getLogger("ray.serve")
 app = FastAPI(title="Conveyor")
 install_error_handlers(app)
+app.add_middleware(ResponseCounter)
 
 
 def cause(e: BaseException) -> BaseException:
@@ -58,13 +61,35 @@ class Router:
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.tool_parser = TOOL_PARSERS[tool_call_parser]()
-        self.metrics = RouterMetrics()
+        try:
+            router_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            router_id = "local"
+        self.metrics = RouterMetrics(self.model_name, router_id)
+        self._metrics_actor: Any = None
         self._info: dict[str, Any] | None = None
         self.block_size = block_size
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if admission else None
         if self.gate is not None:
             self.gate.start()
             self.metrics.queued.set_function(lambda: self.gate.queued)
+            self._metrics_pusher = asyncio.create_task(self._push_metrics())
+
+    async def metrics_actor(self) -> Any:
+        if self._metrics_actor is None:
+            self._metrics_actor = await self.replica.admission.remote()
+        return self._metrics_actor
+
+    async def _push_metrics(self, every_s: float = 0.5) -> None:
+        """This router's series to the admission actor, so that every router's /metrics shows them."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                actor = await self.metrics_actor()
+                await asyncio.wait_for(actor.report_metrics.remote(self.metrics.router, self.metrics.dump()), 2.0)
+            except Exception as e:
+                self._metrics_actor = None
+                log.warning("metrics push to the admission actor failed: %r", e)
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:
@@ -146,14 +171,15 @@ class Router:
                        f"{d.retry_after_s:g}s", status=429, type="rate_limit_error", code=d.reason,
                        retry_after_s=d.retry_after_s)
 
-    async def stream(self, gen_req: GenerateRequest, hint: RoutingHint) -> AsyncIterator[Chunk]:
-        gen = self.streaming.generate.remote(gen_req, routing_hint=hint)
+    async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
+        gen = self.streaming.generate.remote(gen_req, routing_hint=hint, received_at=received_at)
         done = False
         try:
             async for chunk in gen:
-                if "stats" in chunk:
-                    self.metrics.record_replica(chunk["replica"], chunk["stats"])
-                self.metrics.generation_tokens.inc(sum(len(d["token_ids"]) for d in chunk["deltas"]))
+                if "ingress_s" in chunk:
+                    self.metrics.serve_overhead(chunk["replica"], "ingress", chunk["ingress_s"])
+                if "metrics" in chunk:
+                    self.metrics.sources[chunk["replica"]] = chunk["metrics"]
                 yield chunk
             done = True
         finally:
@@ -162,7 +188,8 @@ class Router:
 
     async def run(self, req: SamplingRequest, gen_req: GenerateRequest, hint: RoutingHint, builder: ResponseBuilder,
                   start: float) -> Response:
-        stream = self.stream(gen_req, hint)
+        stream = self.stream(gen_req, hint, time.time() - (time.perf_counter() - start))
+        endpoint = "/v1/chat/completions" if isinstance(req, ChatCompletionRequest) else "/v1/completions"
         try:
             first = await anext(stream, Chunk(deltas=[]))
         except Exception as e:
@@ -173,39 +200,40 @@ class Router:
             if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
                 raise APIError(f"overloaded: {e}", status=503, type="service_unavailable") from None
             raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
-        ttft = time.perf_counter() - start
-        if req.stream:
-            self.metrics.ttft.observe(ttft)
-        self.metrics.prompt_tokens.inc(builder.prompt_tokens)
+        ttft, replica = time.perf_counter() - start, first.get("replica", "")
         timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}",
-                  "x-conveyor-replica": first.get("replica", "")}
+                  "x-conveyor-replica": replica}
         if not req.stream:
             builder.add(first["deltas"])
-            async for chunk in stream:
-                builder.add(chunk["deltas"])
-            self.metrics.latency.observe(time.perf_counter() - start)
-            return JSONResponse(builder.response().model_dump(), headers=timing)
+            last = first
+            async for last in stream:
+                builder.add(last["deltas"])
+            response = JSONResponse(builder.response().model_dump(), headers=timing)
+            self.metrics.serve_overhead(replica, "egress", time.time() - last.get("emitted_at", time.time()))
+            self.metrics.request_done(endpoint, time.perf_counter() - start)
+            return response
         usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def sse() -> AsyncIterator[str]:
             try:
                 yield "".join(builder.chunks(first["deltas"]))
+                self.metrics.serve_overhead(replica, "egress", time.time() - first.get("emitted_at", time.time()))
                 async for chunk in stream:
                     yield "".join(builder.chunks(chunk["deltas"]))
+                    self.metrics.serve_overhead(replica, "egress", time.time() - chunk.get("emitted_at", time.time()))
                 if usage:
                     yield builder.usage_chunk()
             except Exception as e:
                 yield sse_error(f"engine error: {cause(e)}")
             finally:
                 await stream.aclose()
-                self.metrics.latency.observe(time.perf_counter() - start)
+                self.metrics.request_done(endpoint, time.perf_counter() - start)
             yield DONE
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers=timing)
 
     async def handle(self, endpoint: str, req: SamplingRequest) -> Response:
         start = time.perf_counter()
-        status = 200
         try:
             self.check_model(req.model)
             structured, parser = req.structured(), None
@@ -225,16 +253,9 @@ class Router:
                                       parser)
             return await self.run(req, gen_req, hint, builder, start)
         except APIError as e:
-            status = e.status
             return error_response(e)
-        except asyncio.CancelledError:
-            status = 499
-            raise
         except Exception as e:
-            status = 500
             return error_response(APIError(f"internal error: {cause(e)}", status=500, type="internal_error"))
-        finally:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def chat_prompt(self, req: ChatCompletionRequest, structured: tuple[str, dict[str, Any]] | None
                     ) -> tuple[list[list[int]], tuple[str, dict[str, Any]] | None, Any]:
@@ -289,6 +310,14 @@ class Router:
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
-        snapshot = self.gate.snapshot if self.gate is not None else None
-        text = self.metrics.render() + (prometheus_text(snapshot).encode() if snapshot else b"")
+        snapshot, sources = (self.gate.snapshot if self.gate is not None else None), None
+        if self.gate is not None:
+            try:
+                actor = await self.metrics_actor()  # this router's series go first, so every router shows them
+                await asyncio.wait_for(actor.report_metrics.remote(self.metrics.router, self.metrics.dump()), 2.0)
+                sources = await asyncio.wait_for(actor.metrics.remote(), 2.0)
+            except Exception as e:
+                self._metrics_actor = None
+                log.warning("cannot read the replicas' metrics from the admission actor: %r", e)
+        text = self.metrics.render(sources) + (prometheus_text(snapshot).encode() if snapshot else b"")
         return Response(text, media_type="text/plain; version=0.0.4")

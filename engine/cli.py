@@ -1,4 +1,4 @@
-"""`conveyor` command line: make-model, fetch, generate."""
+"""`conveyor` command line: make-model, fetch, generate, bench (serve, throughput, timeline)."""
 import argparse
 import sys
 
@@ -18,6 +18,9 @@ def _fetch(args: argparse.Namespace) -> int:
     from engine.model_source import resolve_model
     print(resolve_model(args.model, args.revision))
     return 0
+def _bench(argv: list[str]) -> int:
+    from benchmarks.cli import main as bench_main
+    return bench_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.set_defaults(func=_generate)
+    sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible URL), throughput, timeline")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

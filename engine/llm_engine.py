@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputManager
@@ -54,6 +55,7 @@ class LLMEngine:
         self.num_finished = self.num_aborted = 0
         self.stream_outputs = True  # False: step() returns finished requests only (offline generate)
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
+        self.step_trace = StepTrace()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json defaults, as vLLM applies them."""
@@ -143,7 +145,9 @@ class LLMEngine:
         if self._structured is not None and self._structured.matchers:
             so.grammar = self._structured.bitmask([c.req_id for c in so.chunks if c.sample])
         ro = self.executor.execute_model(so)
-        changed = self.scheduler.update(so, ro, time.monotonic())
+        self.step_trace.record(so, self.scheduler, self.block_manager, start)
+        now = time.monotonic()
+        changed = self.scheduler.update(so, ro, now)
         self.busy_time_s += time.perf_counter() - start
         self.num_decode_tokens += len(ro.token_ids)
         self.num_prefill_tokens += so.num_tokens - len(ro.token_ids)
@@ -165,10 +169,10 @@ class LLMEngine:
                 if stop is not None and not seq.is_finished:
                     self.scheduler.finish(seq, "stop", stop)
             if self.stream_outputs or seq.is_finished:
-                outputs.append(self._output(seq))
+                outputs.append(self._output(seq, now))
         return failed + outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, last_token_time: float | None = None) -> RequestOutput:
         rid, done = seq.request_id, seq.is_finished
         detok = self.detokenizers[rid]
         if done:
@@ -183,7 +187,8 @@ class LLMEngine:
         completion = CompletionOutput(0, detok.visible_text(done), seq.output_token_ids, seq.finish_reason,
                                       seq.stop_reason, logprobs if seq.params.logprobs is not None else None)
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.finish_time, seq.num_preemptions, seq.num_cached_tokens)
+                                 last_token_time if seq.first_token_time else None, seq.finish_time,
+                                 seq.num_preemptions, seq.num_cached_tokens)
         prompt = self.prompts.pop(rid) if done else self.prompts[rid]
         return RequestOutput(rid, prompt, seq.prompt_token_ids, [completion], done, metrics)
 
@@ -197,7 +202,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_finished=self.num_finished, num_aborted=self.num_aborted, max_num_seqs=self.config.max_num_seqs,
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_tokens=self.num_decode_tokens, num_steps=s.num_steps,
+            num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
             tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64])
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:

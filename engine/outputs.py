@@ -3,9 +3,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestMetrics:
+    """Engine timestamps (time.monotonic) of one request; last_token_time is that of the newest token."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0

@@ -1,6 +1,8 @@
 from dataclasses import asdict, dataclass, field
 import time
 
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass
 class EngineStats:
@@ -23,6 +25,8 @@ class EngineStats:
     num_decode_tokens: int = 0  # cumulative tokens sampled
     num_steps: int = 0
     tokens_left: list[int] = field(default_factory=list)  # running requests' max_tokens left, ascending, <= 64
+    iteration_tokens_sum: int = 0
+    iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)
 
     @property

@@ -1,0 +1,20 @@
+"""`conveyor bench serve | throughput | timeline` (imported only when `conveyor bench` runs)."""
+import argparse
+import sys
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor bench", description="Conveyor benchmarks")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    from benchmarks import serve_bench, throughput_bench, timeline
+    for name, module in (("serve", serve_bench), ("throughput", throughput_bench), ("timeline", timeline)):
+        p = sub.add_parser(name, help=module.__doc__.splitlines()[0].split(": ", 1)[-1], description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(p)
+        p.set_defaults(func=module.main)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,258 @@
+"""`conveyor bench serve`: load any OpenAI-compatible server and report what its clients see.
+
+Arrivals are Poisson at `--request-rate` (inf: all at once), or a closed loop of `--concurrency` clients,
+or both (Poisson, at most C in flight); for `--num-requests` requests or `--duration` seconds. Streaming
+requests (default) give TTFT (send to first content chunk), ITL (gaps between content chunks: a chunk that
+carries several tokens counts once, as in vLLM's benchmark_serving), TPOT ((e2e - TTFT) / (tokens - 1)) and
+e2e; output tokens are the server's `usage.completion_tokens`. Goodput counts requests meeting every SLO
+(`--slo ttft=0.5,itl=0.05`; keys ttft, itl (the request's mean gap), tpot, e2e; seconds)."""
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.lengths import Lengths, text_prompts, token_prompts
+
+SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
+
+
+@dataclass
+class RequestResult:
+    start_s: float
+    prompt_len: int
+    ok: bool = False
+    error: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    chunk_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def meets(self, slo: dict[str, float]) -> bool:
+        got = {"ttft": self.ttft_s, "e2e": self.e2e_s, "tpot": self.tpot_s,
+               "itl": float(np.mean(self.itl_s)) if self.itl_s else 0.0}
+        return self.ok and all(got[k] is not None and got[k] <= v for k, v in slo.items())
+
+
+def parse_slo(spec: str | None) -> dict[str, float]:
+    slo: dict[str, float] = {}
+    for part in filter(None, (spec or "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in SLO_KEYS:
+            raise ValueError(f"--slo: unknown key {key!r} (known: {', '.join(SLO_KEYS)})")
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo: {part!r}: the value must be seconds") from None
+    return slo
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+class Client:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.chat = args.endpoint == "chat"
+        self.url = args.base_url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+        a = self.args
+        b: dict[str, Any] = {"model": a.model, "max_tokens": max_tokens, "temperature": a.temperature,
+                             "stream": not a.no_stream}
+        if self.chat:
+            b["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            b["prompt"] = prompt
+        if not a.no_ignore_eos:
+            b.update(ignore_eos=True, min_tokens=max_tokens)
+        if not a.no_stream:
+            b["stream_options"] = {"include_usage": True}
+        return b
+
+    async def send(self, http: httpx.AsyncClient, body: dict[str, Any], r: RequestResult, t0: float) -> None:
+        sent = time.perf_counter()
+        r.start_s = sent - t0
+        try:
+            if not body["stream"]:
+                resp = await http.post(self.url, json=body, headers=self.headers)
+                r.e2e_s = r.ttft_s = time.perf_counter() - sent
+                resp.raise_for_status()
+                r.output_tokens = resp.json()["usage"]["completion_tokens"]
+                r.chunk_times_s = [r.start_s + r.e2e_s]
+                r.ok = True
+                return
+            last, chunks, usage = None, 0, None
+            async with http.stream("POST", self.url, json=body, headers=self.headers) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
+                                                response=resp)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(str(event["error"])[:200])
+                    usage = event.get("usage") or usage
+                    choice = (event.get("choices") or [{}])[0]
+                    piece = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+                    if not piece:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        r.ttft_s = now - sent
+                    else:
+                        r.itl_s.append(now - last)
+                    r.chunk_times_s.append(now - t0)
+                    last, chunks = now, chunks + 1
+            r.e2e_s = time.perf_counter() - sent
+            r.output_tokens = usage["completion_tokens"] if usage else chunks
+            r.ok = r.ttft_s is not None
+            r.error = "" if r.ok else "no content in the stream"
+        except Exception as e:
+            r.error = f"{type(e).__name__}: {e}"[:300]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    prompt_spec, output_spec = Lengths.parse(args.prompt_len, "--prompt-len"), Lengths.parse(args.output_len, "--output-len")
+    if output_spec.kind == "shared-prefix":
+        raise ValueError("--output-len: shared-prefix applies to prompts only")
+    n = args.num_requests or 100_000
+    pool = min(n, 4096)
+    prompts = (text_prompts(prompt_spec, pool, rng) if args.prompt_format == "text" or args.endpoint == "chat"
+               else token_prompts(prompt_spec, pool, args.vocab_size, rng))
+    outputs = [output_spec.sample(rng) for _ in range(pool)]
+    client, results, tasks = Client(args), [], []
+    limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    bar = tqdm(total=args.num_requests or None, desc="bench serve", unit="req", disable=args.quiet)
+    timeout = httpx.Timeout(args.timeout, connect=30)
+    limits = httpx.Limits(max_connections=args.concurrency or 1000, max_keepalive_connections=args.concurrency or 1000)
+
+    async def one(i: int, t0: float) -> None:
+        p = prompts[i % pool]
+        r = RequestResult(0.0, len(p) if isinstance(p, list) else len(p.split()))
+        results.append(r)
+        try:
+            await client.send(http, client.body(p, outputs[i % pool]), r, t0)
+        finally:
+            if limit is not None:
+                limit.release()
+            bar.update(1)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        t0 = time.perf_counter()
+        for i in range(n):
+            if args.duration and time.perf_counter() - t0 >= args.duration:
+                break
+            if limit is not None:
+                await limit.acquire()
+            tasks.append(asyncio.create_task(one(i, t0)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+            else:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    bar.close()
+    return summarize(args, results, elapsed, parse_slo(args.slo))
+
+
+def summarize(args: argparse.Namespace, results: list[RequestResult], elapsed: float,
+              slo: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if r.meets(slo)] if slo else ok
+    summary = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed, "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / elapsed,
+        "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_len for r in ok),
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl_s]),
+        "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "slo": slo, "goodput": len(good) / elapsed, "good_fraction": len(good) / len(results) if results else 0.0,
+        "errors": sorted({r.error for r in results if r.error})[:5]}
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    config.update(request_rate=str(config["request_rate"]), out=str(args.out), plot=str(args.plot))
+    return {"config": config, "summary": summary, "requests": [asdict(r) for r in results]}
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"completed {s['completed']}  failed {s['failed']}  in {s['duration_s']:.2f} s")
+    print(f"requests/s {s['request_throughput']:.2f}  output tok/s {s['output_throughput']:.1f}  "
+          f"total tok/s {s['total_token_throughput']:.1f}")
+    print(f"{'':8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}   (ms)")
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        row = s[key]
+        print(f"{key[:-2].upper():8}" + "".join(f"{1000 * row[q]:>10.1f}" if row[q] is not None else f"{'-':>10}"
+                                               for q in ("mean", "p50", "p90", "p99")))
+    if s["slo"]:
+        print(f"goodput {s['goodput']:.2f} req/s ({100 * s['good_fraction']:.0f}% of requests met {s['slo']})")
+    for e in s["errors"]:
+        print(f"error: {e}")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (the /v1 paths are added)")
+    p.add_argument("--model", default="demo:tiny")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-requests", type=int, default=None, help="default 200 unless --duration is given")
+    p.add_argument("--duration", type=float, default=None, help="seconds to keep sending")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--concurrency", type=int, default=None, help="at most this many in flight (closed loop)")
+    p.add_argument("--prompt-len", default="uniform:32,256", help="fixed:N | uniform:LO,HI | heavy-tail:LO,HI[,A] "
+                   "| shared-prefix:PREFIX,SUFFIX")
+    p.add_argument("--output-len", default="uniform:16,192", help="fixed:N | uniform:LO,HI | heavy-tail:LO,HI[,A]")
+    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="token-id arrays (exact lengths) or words; chat always sends words")
+    p.add_argument("--vocab-size", type=int, default=256, help="random token ids are drawn below this")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos / min_tokens")
+    p.add_argument("--slo", default=None, help="e.g. ttft=0.5,itl=0.05 (seconds)")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-serve.json"))
+    p.add_argument("--plot", type=Path, default=Path("bench-serve.png"))
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_requests is None and args.duration is None:
+        args.num_requests = 200
+    for name in ("num_requests", "concurrency"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.request_rate <= 0:
+        raise ValueError("--request-rate must be > 0")
+    parse_slo(args.slo)
+    result = asyncio.run(run(args))
+    print_summary(result["summary"])
+    args.out.write_text(json.dumps(result, indent=1))
+    from benchmarks.charts import serve_chart
+    serve_chart(result, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0 if result["summary"]["completed"] else 1

@@ -1,0 +1,121 @@
+"""The step trace records exactly the steps the scheduler ran; `conveyor bench throughput | timeline` run
+end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/test_metrics.py,
+against the served app)."""
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from benchmarks.lengths import Lengths, token_prompts
+from engine import LLM, SamplingParams
+from engine.cli import main
+from engine.step_trace import assign_slots, chrome_trace
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_timeline_has_exactly_the_steps_the_scheduler_ran(policy: str) -> None:
+    llm = LLM("demo:tiny", dtype="float32", max_num_seqs=4, max_num_batched_tokens=96, scheduling_policy=policy,
+              enable_prefix_caching=False)
+    eng, ran = llm.engine, []
+    execute = eng.executor.execute_model
+
+    def spy(so):  # an independent record of what the scheduler handed to the model
+        ran.append([(c.req_id, len(c.token_ids)) for c in so.chunks])
+        return execute(so)
+    eng.executor.execute_model = spy
+    steps_before = eng.scheduler.num_steps
+    eng.step_trace.enable()
+    outputs = [3, 9, 5, 12]
+    prompts = [list(range(10, 10 + n)) for n in (20, 30, 7, 12)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True) for n in outputs], use_tqdm=False)
+    trace = eng.step_trace.disable()
+    assert len(trace) == len(ran) == eng.scheduler.num_steps - steps_before
+    assert [r.step for r in trace] == list(range(steps_before + 1, eng.scheduler.num_steps + 1))
+    assert [[(w.req_id, w.num_tokens) for w in r.work] for r in trace] == ran
+    rid = {o.request_id: o for o in outs}
+    assert sum(r.tokens("prefill") for r in trace) == sum(map(len, prompts))  # one prefill step, no preemption
+    assert sum(r.tokens("decode") for r in trace) == sum(n - 1 for n in outputs)
+    padding = sum(r.tokens("padding") for r in trace)
+    # static batching keeps a finished request decoding (output discarded) until its whole batch is done
+    assert padding == (sum(max(outputs) - n for n in outputs) if policy == "static" else 0)
+    assert [len(rid[str(i)].outputs[0].token_ids) for i in range(4)] == outputs
+    assert all(r.kv_blocks_used <= r.kv_blocks_total and r.duration_s > 0 for r in trace)
+    assert trace[-1].kv_blocks_used > 0 and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    slots = assign_slots(trace)
+    assert set(slots.values()) <= set(range(4))
+    for r_i, r in enumerate(trace):  # no two requests share a slot in a step
+        assert len({slots[(r_i, w.req_id)] for w in r.work}) == len(r.work)
+    events = json.loads(json.dumps(chrome_trace(trace)))
+    assert sum(e["ph"] == "X" and e["cat"] == "step" for e in events) == len(trace)
+    assert sum(e["ph"] == "X" and e["cat"] != "step" for e in events) == sum(len(r.work) for r in trace)
+
+
+def test_lengths_specs() -> None:
+    rng = random.Random(0)
+    heavy = Lengths.parse("heavy-tail:16,2000")
+    xs = [heavy.sample(rng) for _ in range(2000)]
+    assert min(xs) >= 16 and max(xs) <= 2000 and sorted(xs)[1000] < 60 and max(xs) > 500
+    shared = token_prompts(Lengths.parse("shared-prefix:32,8"), 3, 100, rng)
+    assert all(len(p) == 40 and p[:32] == shared[0][:32] for p in shared) and shared[0][32:] != shared[1][32:]
+    for bad, field in (("normal:3", "kind"), ("uniform:9,3", "HI"), ("fixed:0", ">= 1"), ("fixed:a", "numbers")):
+        with pytest.raises(ValueError, match=field):
+            Lengths.parse(bad, "--prompt-len")
+
+
+@pytest.mark.slow
+def test_bench_throughput_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, plot = tmp_path / "t.json", tmp_path / "t.png"
+    assert main(["bench", "throughput", "--num-requests", "3", "--cap-output-tokens", "3", "--max-num-seqs", "4",
+                 "--out", str(out), "--plot", str(plot)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert [(r["workload"], r["policy"]) for r in rows] == [
+        (w, p) for w in ("seed", "heavy-tail", "shared-prefix", "memory-pressure") for p in ("continuous", "static")]
+    assert all(r["output_tokens"] == 9 and r["outputs_match_first_policy"] and r["tok_per_s"] > 0 for r in rows)
+    assert next(r for r in rows if r["workload"] == "shared-prefix")["prefix_cache_hit_tokens"] > 0
+    assert plot.read_bytes()[:8] == PNG and "continuous/static" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_timeline_end_to_end(tmp_path: Path) -> None:
+    png, trace = tmp_path / "tl.png", tmp_path / "tl.json"
+    assert main(["bench", "timeline", "--num-requests", "5", "--prompt-len", "uniform:8,24", "--output-len",
+                 "uniform:2,8", "--max-num-seqs", "3", "--out", str(png), "--trace", str(trace)]) == 0
+    assert png.read_bytes()[:8] == PNG
+    data = json.loads(trace.read_text())
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"static batching", "continuous batching"}
+    other = data["otherData"]
+    assert other["static"]["padding_tokens"] > 0 and other["continuous"]["padding_tokens"] == 0
+    assert other["static"]["decode_tokens"] == other["continuous"]["decode_tokens"]
+
+
+def test_bench_rejects_bad_options(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "serve", "--slo", "ttft=fast", "--num-requests", "1"]) == 2
+    assert "--slo" in capsys.readouterr().err
+    assert main(["bench", "timeline", "--prompt-len", "gauss:3"]) == 2
+    assert "--prompt-len" in capsys.readouterr().err
+
+
+def test_serve_bench_goodput_and_percentiles() -> None:
+    import argparse
+    from benchmarks.serve_bench import RequestResult, parse_slo, summarize
+    fast = RequestResult(0.0, 10, ok=True, ttft_s=0.2, e2e_s=0.5, output_tokens=4, itl_s=[0.1, 0.1, 0.1])
+    slow_start = RequestResult(0.1, 10, ok=True, ttft_s=0.8, e2e_s=0.9, output_tokens=4, itl_s=[0.03] * 3)
+    jerky = RequestResult(0.2, 10, ok=True, ttft_s=0.1, e2e_s=0.4, output_tokens=3, itl_s=[0.01, 0.29])
+    failed = RequestResult(0.3, 10, error="HTTPStatusError: 503")
+    slo = parse_slo("ttft=0.5,itl=0.12")
+    assert [r.meets(slo) for r in (fast, slow_start, jerky, failed)] == [True, False, False, False]
+    assert jerky.tpot_s == pytest.approx(0.15) and fast.tpot_s == pytest.approx(0.1)
+    args = argparse.Namespace(request_rate=float("inf"), out=Path("x.json"), plot=Path("x.png"), model="m")
+    s = summarize(args, [fast, slow_start, jerky, failed], 2.0, slo)["summary"]
+    assert s["completed"] == 3 and s["failed"] == 1 and s["goodput"] == 0.5 and s["good_fraction"] == 0.25
+    assert s["output_tokens"] == 11 and s["output_throughput"] == 5.5 and s["request_throughput"] == 1.5
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2) and s["itl_s"]["mean"] == pytest.approx(0.69 / 8)
+    assert s["errors"] == ["HTTPStatusError: 503"]
+    with pytest.raises(ValueError, match="--slo"):
+        parse_slo("latency=1")
