@@ -117,9 +117,10 @@ class BlockManager:
         Returns the block ids appended to the table, or None (nothing changed) if they don't fit."""
         table = self.tables.get(seq.request_id, [])
         computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        if not prefix and computed + num_new_tokens <= len(table) * self.block_size:  # decode within its last block
-            if self.caching and (computed + num_new_tokens) // self.block_size > self.num_registered.get(seq.request_id, 0):
-                self._register(seq, table, (computed + num_new_tokens) // self.block_size)
+        if not prefix and computed + num_new_tokens <= len(table) * self.block_size:  # fits its last block
+            num_full = (computed + num_new_tokens) // self.block_size
+            if self.caching and num_full > self.num_registered.get(seq.request_id, 0):
+                self._register(seq, table, num_full)
             return []
         num_new = self.blocks_for(computed + num_new_tokens) - len(table) - len(prefix)
         reused_free = sum(1 for b in prefix if b.ref_count == 0)

@@ -65,7 +65,8 @@ class Scheduler:
         self.finished_for_runner = []
         chunks: dict[str, ScheduledChunk] = {}
         self.running.sort(key=_run_order)
-        held = [s for s in self.running if s.held_finish is not None] if self.config.scheduling_policy == "static" else []
+        static = self.config.scheduling_policy == "static"
+        held = [s for s in self.running if s.held_finish is not None] if static else []
         live = [s for s in self.running if s.held_finish is None] if held else list(self.running)
         budget, partials, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
         self.watermark.observe(preempted)
