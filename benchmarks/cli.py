@@ -1,6 +1,7 @@
 """`conveyor bench serve | throughput | timeline` (imported only when `conveyor bench` runs)."""
 import argparse
-import sys
+
+from engine.cli import run
 
 
 def main(argv: list[str]) -> int:
@@ -12,9 +13,4 @@ def main(argv: list[str]) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_args(p)
         p.set_defaults(func=module.main)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run(parser.parse_args(argv))

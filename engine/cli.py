@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    args = parser.parse_args(argv)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs a parsed subcommand; a ValueError (bad input, named) is printed and exits 2."""
     try:
         return args.func(args)
     except ValueError as e:
