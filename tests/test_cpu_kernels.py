@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from kernels import cpu_ops, reference
 
 lib = cpu_ops.load()
@@ -68,11 +68,13 @@ def test_fused_elementwise_ops_match_the_eager_layers(dtype: torch.dtype) -> Non
     assert torch.allclose(lib.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=1e-2 if exact else 1e-6,
                           atol=1e-6)
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-    rope, fused_rope = RotaryEmbedding(config, 64, 512), RotaryEmbedding(config, 64, 512, lib)
+    rope = RotaryEmbedding(config, 64, 512)
     qkv = torch.randn(6, 8 * 64, generator=g).to(dtype)
     positions = torch.tensor([0, 5, 100, 7, 300, 2])
-    want_q, want_k = rope(positions, qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64))
-    got_q, got_k = fused_rope(positions, qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64))
+    want_q, want_k = apply_rotary(qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64),
+                                  *rope(positions, dtype))
+    got_q, got_k = qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64)
+    lib.rotary_embedding_(positions, got_q, got_k, rope.cos, rope.sin)  # in place on the strided views
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 

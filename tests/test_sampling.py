@@ -123,10 +123,14 @@ def test_bad_prompts_rejected_before_engine(llm: LLM, prompt, match: str) -> Non
 
 
 def test_request_larger_than_cache_is_refused() -> None:
-    small = LLM("demo:llama-tiny", num_blocks=4, block_size=16)
+    fitted = LLM("demo:llama-tiny", num_blocks=4, block_size=16)  # max_model_len shrinks to the 64 cached tokens
+    assert fitted.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len"):
+        fitted.generate({"prompt_token_ids": [5] * 70}, SamplingParams(max_tokens=10), use_tqdm=False)
+    explicit = LLM("demo:llama-tiny", num_blocks=4, block_size=16, max_model_len=128)
     with pytest.raises(ValueError, match="KV blocks"):
-        small.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
-    assert small.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=10), use_tqdm=False)
+        explicit.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert explicit.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=10), use_tqdm=False)
 
 
 def test_bad_engine_config_names_the_field() -> None:

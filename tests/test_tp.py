@@ -9,8 +9,8 @@ import ray
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_runner import ModelRunner, RequestState
-from engine.step import ScheduledChunk
+from engine.model_runner import ModelRunner
+from engine.step import NewRequestData, ScheduledChunk
 from tests.helpers import assert_no_leak, engine_greedy, prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -28,11 +28,13 @@ def ray_session():
 def sequence_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor | None:
     """Logits at every position of one sequence, written into the first KV blocks (call between requests)."""
     blocks = list(range(-(-len(ids) // runner.block_size)))
-    runner.requests["probe"] = RequestState(ids, [], blocks, SamplingParams(), [], None)
+    runner._add_request(NewRequestData("probe", ids, SamplingParams(), []))
+    runner.batch.set_blocks("probe", blocks, append=False)
     with torch.inference_mode():
         input_ids, positions, meta, _ = runner._prepare([ScheduledChunk("probe", ids, 0, blocks, True, True)])
         logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
     runner.requests.pop("probe")
+    runner.batch.remove("probe")
     return logits
 
 
