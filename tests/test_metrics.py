@@ -150,6 +150,7 @@ def test_served_metrics_follow_requests_and_count_every_response(app: SimpleName
     def settled(s: dict) -> bool:
         return (delta(s, "conveyor:request_success_total", finished_reason="length") == n
                 and delta(s, "conveyor:http_requests_total", status="400") == 3
+                and delta(s, "conveyor:http_requests_total", endpoint="/v1/completions", status="200") == n
                 and len({v for (name, ls) in s if name == "conveyor:http_requests_total"
                          for k, v in ls if k == "router"}) == 2)
     s = scrape_until(app.http, settled)
@@ -195,7 +196,7 @@ def test_real_prometheus_scrapes_the_endpoint(app: SimpleNamespace, tmp_path: Pa
             for q in want:
                 try:
                     r = httpx.get(api + urllib.parse.quote(q), timeout=5).json()
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):  # not listening yet, or "Service Unavailable" while starting
                     continue
                 if r.get("status") == "success" and r["data"]["result"]:
                     found[q] = r["data"]["result"]
