@@ -1,6 +1,11 @@
 """C++ CPU kernels (kernels/csrc/cpu_ops.cpp, AVX-512): paged attention reading the block cache in
 place, the KV store, fused RMSNorm(+residual), SiLU·mul and RoPE, thread binding. Built once with
-torch's cpp_extension on first use and cached per CPU; `load()` is None where they cannot run."""
+torch's cpp_extension on first use and cached per CPU; `load()` is None where they cannot run.
+
+The caches keep the engine's [num_blocks, block_size, kv_heads, head_dim] shape, but inside a block
+these kernels lay K out as [kv_heads, head_dim, block_size] and V as [kv_heads, block_size, head_dim]
+(`reference_layout` shows them the reference way): only store_kv_cache writes them, only
+paged_attention reads them, and whole-block copies (swap, prefix sharing) do not care."""
 import functools
 import hashlib
 import logging
@@ -42,6 +47,12 @@ def load() -> ModuleType | None:
     except Exception as e:  # no compiler or headers: the pure-torch path still runs
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
         return None
+
+
+def reference_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of caches these kernels wrote, indexed [block, offset, kv_head, dim] as kernels/reference.py's."""
+    n, bs, h, d = k_cache.shape
+    return k_cache.view(n, h, d, bs).permute(0, 3, 1, 2), v_cache.view(n, h, bs, d).permute(0, 2, 1, 3)
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,8 +20,10 @@ def test_paged_attention_mixed_step_matches_reference(dtype: torch.dtype, block_
                                                       kv_heads: int, head_dim: int) -> None:
     g = torch.Generator().manual_seed(block_size * heads + head_dim)
     num_blocks, width = 96, 24
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    want_k, want_v = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in "kv")
+    k_cache, v_cache = torch.empty_like(want_k), torch.empty_like(want_v)  # the kernels' own layout
+    slots = torch.arange(num_blocks * block_size)
+    cpu_ops.store_kv_cache(want_k.flatten(0, 1), want_v.flatten(0, 1), k_cache, v_cache, slots)
     seq_lens = torch.tensor([5, 40, 17, 1, 30, 70], dtype=torch.int32)  # 4 decodes, then 2 prefills over context
     q_lens = torch.tensor([1, 1, 1, 1, 30, 25])
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
@@ -32,15 +34,15 @@ def test_paged_attention_mixed_step_matches_reference(dtype: torch.dtype, block_
     got = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
     f = lambda t: t.float()  # noqa: E731
     want = torch.cat((
-        reference.paged_decode_attention(f(q[:4]), f(k_cache), f(v_cache), tables[:4], seq_lens[:4], scale),
-        reference.paged_prefill_attention(f(q[4:]), f(k_cache), f(v_cache), tables[4:], seq_lens[4:],
+        reference.paged_decode_attention(f(q[:4]), f(want_k), f(want_v), tables[:4], seq_lens[:4], scale),
+        reference.paged_prefill_attention(f(q[4:]), f(want_k), f(want_v), tables[4:], seq_lens[4:],
                                           qsl[4:] - qsl[4], 30, scale)))
     assert got.dtype == dtype
     assert (got.float() - want).abs().max() <= TOL[dtype] * max(1.0, want.abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_cache_is_the_reference_and_skips_padding(dtype: torch.dtype) -> None:
+def test_store_kv_cache_is_the_reference_in_its_own_layout_and_skips_padding(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     caches = [torch.zeros(8, 16, 2, 64, dtype=dtype) for _ in range(4)]
     kv = torch.randn(10, 4, 64, generator=g).to(dtype)  # strided rows, as a slice of a fused qkv
@@ -48,7 +50,9 @@ def test_store_kv_cache_is_the_reference_and_skips_padding(dtype: torch.dtype) -
     slots = torch.tensor([3, -1, 7, 100, 5, 6, 8, 9, 10, 127])
     cpu_ops.store_kv_cache(key, value, caches[0], caches[1], slots)
     reference.store_kv_cache(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    got_k, got_v = cpu_ops.reference_layout(caches[0], caches[1])
+    assert torch.equal(got_k, caches[2]) and torch.equal(got_v, caches[3])
+    assert not torch.equal(caches[0], caches[2])  # the layout really differs: a reference read would be wrong
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -74,17 +75,79 @@ struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;
 };
 
+// The CPU backend's own block layout, written only by store_kv_cache and read only by
+// paged_attention, inside the [BS, KVH, D] block the engine allocates: a K block is [KVH, D, BS]
+// (16 keys along the lanes, so 16 scores come out of one FMA chain with no horizontal sums) and a
+// V block [KVH, BS, D]. Each head's slice of a block is contiguous, which the prefetcher streams.
+inline __m512 load_n(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_n(const bf16* p, __mmask16 m) {
+  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Scores of NR query rows against one chunk of keys: s[i] lane j = q_i . k_j (two chains per row).
+template <int NR, typename T>
+inline void chunk_scores(const float* qs, int64_t d, const T* kt, int64_t bs, __mmask16 keys, __m512* s) {
+  __m512 a[NR], b[NR];
+  for (int i = 0; i < NR; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d; k += 2) {
+    const __m512 k0 = load_n(kt + k * bs, keys), k1 = load_n(kt + (k + 1) * bs, keys);
+    for (int i = 0; i < NR; ++i) {
+      a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * d + k]), k0, a[i]);
+      b[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * d + k + 1]), k1, b[i]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) s[i] = _mm512_add_ps(a[i], b[i]);
+}
+
+// acc_i = acc_i * corr_i + sum_j p_i[j] v_j for NR rows over one chunk of n values.
+template <int NR, typename T>
+inline void chunk_values(float* acc, int64_t d, const T* v, int64_t n, const float* p, const float* corr) {
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + c), _mm512_set1_ps(corr[i]));
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 vj = load16(v + j * d + c);
+      for (int i = 0; i < NR; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * 16 + j]), vj, a[i]);
+    }
+    for (int i = 0; i < NR; ++i) _mm512_storeu_ps(acc + i * d + c, a[i]);
+  }
+}
+
+template <int NR, typename T>
+void chunk_rows(float* qs, float* acc, float* m, float* l, float* p, int64_t d, const T* kt, const T* v,
+                int64_t bs, int64_t chunk, int64_t key0, int64_t pos0, int64_t r0, int64_t g) {
+  __m512 s[NR];
+  chunk_scores<NR>(qs, d, kt, bs, __mmask16((1u << chunk) - 1u), s);
+  float corr[NR];
+  int64_t n = 0;
+  for (int i = 0; i < NR; ++i) {
+    const int64_t valid = std::min<int64_t>(chunk, pos0 + (r0 + i) / g - key0 + 1);  // row r0+i's causal keys
+    n = std::max(n, valid);
+    const __mmask16 mask = __mmask16((1u << valid) - 1u);
+    const float m_new = std::max(m[i], _mm512_mask_reduce_max_ps(mask, s[i]));
+    corr[i] = std::exp(m[i] - m_new);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(m_new))));
+    l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(e);
+    m[i] = m_new;
+    _mm512_storeu_ps(p + i * 16, e);
+  }
+  chunk_values<NR>(acc, d, v, n, p, corr);
+}
+
 template <typename T>
 void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T* vc, const int32_t* tables,
                     const int32_t* seq_lens, const int32_t* qsl, int64_t table_width, int64_t heads,
                     int64_t kv_heads, int64_t d, int64_t bs, float scale, float* scratch) {
   const int64_t g = heads / kv_heads, nv = d / 16;
-  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq], first_pos = seq_lens[w.seq] - q_len;
-  const int64_t rows = (w.q_end - w.q_begin) * g;
+  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+  const int64_t pos0 = seq_lens[w.seq] - q_len + (w.q_begin - qsl[w.seq]);  // position of row 0
+  const int64_t rows = (w.q_end - w.q_begin) * g, last_pos = pos0 + (rows - 1) / g;
   float* qs = scratch;                  // [rows, d] scaled queries
   float* acc = qs + rows * d;           // [rows, d]
   float* m = acc + rows * d;            // [rows]
   float* l = m + rows;                  // [rows]
+  float* p = l + rows;                  // [4, 16] one row group's probabilities
   const int64_t tok_stride = heads * d;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (w.q_begin + r / g) * tok_stride + (w.kv_head * g + r % g) * d;
@@ -94,40 +157,38 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
   }
-  const int64_t last_pos = first_pos + (w.q_end - qsl[w.seq]) - 1;
   const int32_t* table = tables + w.seq * table_width;
-  const int64_t kv_stride = kv_heads * d, chunk = std::min<int64_t>(16, bs);
-  alignas(64) float s[16];
-  for (int64_t key0 = 0; key0 <= last_pos; key0 += chunk) {
-    const int64_t slot0 = int64_t(table[key0 / bs]) * bs + key0 % bs;
-    const T* kp = kc + slot0 * kv_stride + w.kv_head * d;
-    const T* vp = vc + slot0 * kv_stride + w.kv_head * d;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + (w.q_begin - qsl[w.seq]) + r / g;
-      const int64_t valid = std::min<int64_t>(chunk, pos - key0 + 1);
-      if (valid <= 0) continue;
-      const float* qr = qs + r * d;
-      for (int64_t j = 0; j < valid; ++j) {
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t v = 0; v < nv; ++v)
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), load16(kp + j * kv_stride + 16 * v), dot);
-        s[j] = _mm512_reduce_add_ps(dot);
+  const int64_t head_elems = d * bs, block_elems = kv_heads * head_elems, chunk = std::min<int64_t>(16, bs);
+  const int64_t num_blocks = last_pos / bs + 1;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* kb = kc + int64_t(table[b]) * block_elems + w.kv_head * head_elems;
+    const T* vb = vc + int64_t(table[b]) * block_elems + w.kv_head * head_elems;
+    if (b + 1 < num_blocks) {
+      const int64_t next = int64_t(table[b + 1]) * block_elems + w.kv_head * head_elems;
+      const char* nk = reinterpret_cast<const char*>(kc + next);
+      const char* nv_ = reinterpret_cast<const char*>(vc + next);
+      for (int64_t off = 0; off < head_elems * int64_t(sizeof(T)); off += 64) {
+        _mm_prefetch(nk + off, _MM_HINT_T0);
+        _mm_prefetch(nv_ + off, _MM_HINT_T0);
       }
-      const __mmask16 mask = __mmask16((1u << valid) - 1u);
-      __m512 sv = _mm512_maskz_loadu_ps(mask, s);
-      const float mx = _mm512_mask_reduce_max_ps(mask, sv);
-      const float m_new = std::max(m[r], mx);
-      const float corr = std::exp(m[r] - m_new);
-      __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-      l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
-      m[r] = m_new;
-      _mm512_store_ps(s, p);
-      float* ar = acc + r * d;
-      for (int64_t v = 0; v < nv; ++v) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * v), _mm512_set1_ps(corr));
-        for (int64_t j = 0; j < valid; ++j)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), load16(vp + j * kv_stride + 16 * v), a);
-        _mm512_storeu_ps(ar + 16 * v, a);
+    }
+    for (int64_t c0 = 0; c0 < bs; c0 += chunk) {
+      const int64_t key0 = b * bs + c0;
+      if (key0 > last_pos) break;
+      const int64_t first = key0 > pos0 ? (key0 - pos0) * g : 0;  // rows before it see none of these keys
+      for (int64_t r = first; r < rows; r += 4) {
+        const int64_t nr = std::min<int64_t>(4, rows - r);
+        auto run = [&](auto nr_tag) {
+          constexpr int NR = decltype(nr_tag)::value;
+          chunk_rows<NR>(qs + r * d, acc + r * d, m + r, l + r, p, d, kb + c0, vb + c0 * d, bs, chunk, key0, pos0,
+                         r, g);
+        };
+        switch (nr) {
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          default: run(std::integral_constant<int, 1>{}); break;
+        }
       }
     }
   }
@@ -160,7 +221,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
         items.push_back({int32_t(s), h, t, int32_t(std::min<int64_t>(t + tile, qs[s + 1]))});
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.q_end - a.q_begin > b.q_end - b.q_begin; });
-  const int64_t scratch = 2 * tile * g * d + 2 * tile * g;
+  const int64_t scratch = 2 * tile * g * d + 2 * tile * g + 64;
   dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     parallel_items(items.size(), scratch, [&](int64_t i, float* buf) {
@@ -171,23 +232,35 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   });
 }
 
-// key/value [T, KVH, D] rows (token stride may differ) -> flat slots of the caches; slot -1 skipped.
+// key/value [T, KVH, D] rows (token stride may differ) -> flat slots of the caches, in the layout
+// paged_attention reads (K [KVH, D, BS], V [KVH, BS, D] per block); slot -1 skipped.
 void store_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "key/value rows must be [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   auto slots = slot_mapping.to(torch::kInt64).contiguous();
-  const int64_t row = k_cache.size(2) * k_cache.size(3), n = key.size(0), bytes = row * k_cache.element_size();
-  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(1) == value.size(2), "rows");
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3), n = key.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  auto* kd = static_cast<char*>(k_cache.data_ptr());
-  auto* vd = static_cast<char*>(v_cache.data_ptr());
-  const auto* ks = static_cast<const char*>(key.data_ptr());
-  const auto* vs = static_cast<const char*>(value.data_ptr());
-  const int64_t esz = key.element_size(), kst = key.stride(0) * esz, vst = value.stride(0) * esz;
-  for (int64_t t = 0; t < n; ++t) {
-    if (sp[t] < 0) continue;
-    std::memcpy(kd + sp[t] * bytes, ks + t * kst, bytes);
-    std::memcpy(vd + sp[t] * bytes, vs + t * vst, bytes);
-  }
+  dispatch(key.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* ks = key.data_ptr<T>();
+    const T* vs = value.data_ptr<T>();
+    T* kd = k_cache.data_ptr<T>();
+    T* vd = v_cache.data_ptr<T>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (sp[t] < 0) continue;
+        const int64_t block = sp[t] / bs, off = sp[t] % bs;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* kr = ks + t * key.stride(0) + h * d;
+          T* kt = kd + ((block * kv_heads + h) * d) * bs + off;
+          for (int64_t i = 0; i < d; ++i) kt[i * bs] = kr[i];
+          std::memcpy(vd + ((block * kv_heads + h) * bs + off) * d, vs + t * value.stride(0) + h * d, d * sizeof(T));
+        }
+      }
+    });
+  });
 }
 
 template <typename T>
