@@ -65,7 +65,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Every sequence's new tokens over its whole cached context, decodes and prefills alike:
     q [T, h, d] packed as query_start_loc says -> [T, h, d]."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    load().paged_attention(out, q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    load().paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     return out
 
 

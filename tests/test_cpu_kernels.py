@@ -29,7 +29,7 @@ def test_paged_attention_mixed_step_matches_reference(dtype: torch.dtype, block_
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in q_lens]).to(torch.int32)
-    q = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(int(qsl[-1]), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)[:, :heads]  # as in qkv
     scale = head_dim ** -0.5
     got = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
     f = lambda t: t.float()  # noqa: E731

@@ -138,7 +138,7 @@ void chunk_rows(float* qs, float* acc, float* m, float* l, float* p, int64_t d, 
 template <typename T>
 void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T* vc, const int32_t* tables,
                     const int32_t* seq_lens, const int32_t* qsl, int64_t table_width, int64_t heads,
-                    int64_t kv_heads, int64_t d, int64_t bs, float scale, float* scratch) {
+                    int64_t kv_heads, int64_t d, int64_t bs, int64_t q_stride, float scale, float* scratch) {
   const int64_t g = heads / kv_heads, nv = d / 16;
   const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
   const int64_t pos0 = seq_lens[w.seq] - q_len + (w.q_begin - qsl[w.seq]);  // position of row 0
@@ -150,7 +150,7 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
   float* p = l + rows;                  // [4, 16] one row group's probabilities
   const int64_t tok_stride = heads * d;
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + (w.q_begin + r / g) * tok_stride + (w.kv_head * g + r % g) * d;
+    const T* src = q + (w.q_begin + r / g) * q_stride + (w.kv_head * g + r % g) * d;
     for (int64_t v = 0; v < nv; ++v)
       _mm512_storeu_ps(qs + r * d + 16 * v, _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale)));
     std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
@@ -199,13 +199,12 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
   }
 }
 
-// q, out [T, H, D] (token rows may be strided); caches [num_blocks, block_size, KVH, D];
+// q [T, H, D] (token rows may be strided, as a slice of the fused qkv), out [T, H, D] contiguous; caches [num_blocks, block_size, KVH, D];
 // block_tables [S, W]; seq_lens [S] context after this step; query_start_loc [S + 1].
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                      double scale) {
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) == q.size(1) * q.size(2),
-              "q must be contiguous [T, H, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors");
   const int64_t heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(d % 16 == 0 && heads % kv_heads == 0, "head_dim must be a multiple of 16");
@@ -227,7 +226,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     parallel_items(items.size(), scratch, [&](int64_t i, float* buf) {
       attention_item<T>(items[i], q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), qs, tables.size(1), heads, kv_heads,
-                        d, bs, float(scale), buf);
+                        d, bs, q.stride(0), float(scale), buf);
     });
   });
 }
