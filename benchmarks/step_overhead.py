@@ -18,13 +18,16 @@ def null_run(vocab: int):
     return run
 
 
+CLOCK = time.perf_counter
+
+
 def timed(phases: dict[str, list[float]], name: str, fn):
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start = CLOCK()
         try:
             return fn(*args, **kwargs)
         finally:
-            phases[name].append(time.perf_counter() - start)
+            phases[name].append(CLOCK() - start)
     return wrapper
 
 
@@ -56,10 +59,14 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[32, 64, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time, steadier than wall time on a shared machine")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     cols = ("schedule", "prepare", "update", "output", "step")
-    print("median ms per decode step, null model (prepare = model runner without the model)")
+    print(f"median ms per decode step ({args.clock} clock), null model (prepare = model runner without the model)")
     print(f"{'seqs':>6}" + "".join(f"{c:>10}" for c in cols))
     rows = {}
     for n in args.seqs:

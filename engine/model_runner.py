@@ -50,7 +50,8 @@ class ModelRunner:
         if config.prepack_weights and self.device.type == "cpu":
             pack_weights(self.model)
         if config.cpu_threads_bind == "auto" and ops.fused is not None:
-            cpus = sorted(os.sched_getaffinity(0))[:torch.get_num_threads()]
+            allowed, n = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+            cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
             log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
