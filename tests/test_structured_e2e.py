@@ -8,14 +8,14 @@ from typing import Iterator, Literal
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel
+from ray import serve
 
 from tests.test_serve_e2e import free_port, sse_events, start_ray, stop_ray, wait_ready
 
 pytestmark = pytest.mark.slow
-openai = pytest.importorskip("openai")
-from ray import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:smollm2"
