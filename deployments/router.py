@@ -129,8 +129,8 @@ class Router:
             need = len(ids) + (max_tokens or 1)
             if len(ids) >= limit or need > limit:
                 raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                               f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion, max_tokens). "
-                               f"Please reduce the length of the {where} or completion.",
+                               f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion, "
+                               f"max_tokens). Please reduce the length of the {where} or completion.",
                                param=where if len(ids) >= limit else "max_tokens")
         sampling = self.generation_defaults.apply(req.sampling(max_tokens or limit - max(len(p) for p in prompts)),
                                                   set(SAMPLING_KEYS) - req.model_fields_set)
