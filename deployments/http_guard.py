@@ -68,6 +68,8 @@ class HTTPGuard:
             if scope.get("method") not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, send)
             body = await self.read_body(cfg, headers, receive)
+            if body is None:
+                return  # the client left before its body arrived: nothing to answer
             check_body(body)
         except APIError as e:
             return await self.refuse(e, send)
@@ -92,7 +94,7 @@ class HTTPGuard:
                            type="authentication_error", param="authorization", code="invalid_api_key")
 
     @staticmethod
-    async def read_body(cfg: GuardConfig, headers: dict[bytes, bytes], receive: Any) -> bytes:
+    async def read_body(cfg: GuardConfig, headers: dict[bytes, bytes], receive: Any) -> bytes | None:
         kind = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if kind and kind != "application/json" and not kind.endswith("+json"):
             raise APIError(f"Content-Type must be application/json, got {kind!r}", status=415, param="content-type")
@@ -105,7 +107,7 @@ class HTTPGuard:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise APIError("client disconnected", status=499)
+                return None
             chunks.append(message.get("body", b""))
             total += len(chunks[-1])
             if total > cfg.max_body_bytes:
