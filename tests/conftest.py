@@ -21,9 +21,10 @@ def conveyor_app() -> Any:
 
 @pytest.fixture
 def pool_whole(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Ends an end-to-end test with the pool-whole assertion on its app (`conveyor_app` or a module's `server`)."""
+    """Ends an end-to-end test with the pool-whole assertion on its app: `conveyor_app`, or a module's own
+    `server` / `app` (a tests.serve_app.App)."""
     from tests.serve_app import assert_pool_whole
-    app = request.getfixturevalue(SHARED if SHARED in request.fixturenames else "server")
+    app = request.getfixturevalue(next(f for f in (SHARED, "server", "app") if f in request.fixturenames))
     yield
     assert_pool_whole(app)
 

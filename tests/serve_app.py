@@ -95,6 +95,13 @@ class App:
         return wait_for(idle, timeout) or self.stats()
 
 
+def app_at(url: str, name: str = "default", timeout: float = 60) -> App:
+    """The App view of an app a module deployed itself (its own arguments, its own Ray cluster)."""
+    app = App(url, name, serve.get_deployment_handle("LLMReplica", app_name=name), "", {})
+    app.http = httpx.Client(base_url=url, timeout=timeout)
+    return app
+
+
 def assert_pool_whole(app: Any) -> None:
     """Every end-to-end test ends here: one replica, idle, every KV block free (polled, not slept for)."""
     assert app.num_replicas() == 1, "these checks read the one replica's stats"
