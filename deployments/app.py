@@ -14,6 +14,7 @@ from cluster.admission import AdmissionConfig
 from cluster.admission_actor import AdmissionActor
 from cluster.autoscaling import KVScalingConfig
 from cluster.routing import RouterConfig
+from deployments.http_guard import GuardConfig
 from deployments.replica import ADMISSION_ACTOR, LLMReplica
 from deployments.router import Router
 from deployments.tool_parsers import TOOL_PARSERS
@@ -79,6 +80,9 @@ class AppArgs(BaseModel):
     stream_chunks_per_s: float = Field(200.0, ge=0)
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
+    api_key: str | None = Field(None, min_length=1, repr=False)
+    protect_health_metrics: bool = False
+    max_body_bytes: int = Field(8 * 2**20, ge=1024)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = "/"
@@ -177,7 +181,8 @@ def build_app(args: AppArgs) -> Application:
                                                                    args.stream_interval_s, args.stream_chunks_per_s, push)
     router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
     return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size,
-                       args.revision, args.template_text(), args.tool_call_parser)
+                       args.revision, args.template_text(), args.tool_call_parser,
+                       GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics))
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

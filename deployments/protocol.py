@@ -3,7 +3,7 @@ import time
 import uuid
 from typing import Any, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 MAX_LOGPROBS = 20
 IGNORED_FIELDS = ("user", "service_tier", "store", "metadata")
@@ -83,6 +83,7 @@ class SamplingRequest(Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -200,6 +201,15 @@ class ChatMessageIn(Strict):
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (this model reads text parts only)")
+        return content
 
     def render(self) -> dict[str, Any]:
         """The message as chat templates expect it: tool-call arguments as objects, not JSON strings."""
@@ -379,6 +389,7 @@ class GenerateRequest(BaseModel):
     sampling: dict[str, Any] = {}
     priority: int = 0
     stream: bool = True
+    cache_salt: str | None = None
 
 
 class Delta(TypedDict):

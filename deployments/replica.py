@@ -86,11 +86,11 @@ class LLMReplica:
         self.engine.check_health()
 
     async def _pump(self, index: int, request_id: str, prompt: list[int], sp: SamplingParams, priority: int,
-                    queue: asyncio.Queue, clock: dict[str, float]) -> None:
+                    queue: asyncio.Queue, clock: dict[str, float], cache_salt: str | None = None) -> None:
         text_len, num_ids, finish = 0, 0, None
         try:
             async for out in self.engine.generate(prompt_token_ids=prompt, sampling_params=sp,
-                                                  request_id=request_id, priority=priority):
+                                                  request_id=request_id, priority=priority, cache_salt=cache_salt):
                 self.metrics.observe_output(out)
                 clock["arrival"] = min(clock.get("arrival", float("inf")), wall(out.metrics.arrival_time))
                 clock["output"] = wall(out.metrics.last_token_time) if out.metrics.last_token_time else time.time()
@@ -123,7 +123,7 @@ class LLMReplica:
                 jobs.append((p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp))
         queue: asyncio.Queue = asyncio.Queue()
         clock: dict[str, float] = {}
-        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock))
+        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock, req.cache_salt))
                  for idx, rid, prompt, sp in jobs]
         live = {idx: rid for idx, rid, _, _ in jobs}
         start, last, pending = time.perf_counter(), 0.0, []

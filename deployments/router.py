@@ -16,6 +16,7 @@ from cluster.admission import prometheus_text
 from cluster.admission_actor import AdmissionClient
 from cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from cluster.stats import block_hashes, num_blocks
+from deployments.http_guard import GuardConfig, HTTPGuard
 from deployments.metrics import ResponseCounter, RouterMetrics
 from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
@@ -31,6 +32,7 @@ from engine.sampling_params import StructuredParams
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="Conveyor")
 install_error_handlers(app)
+app.add_middleware(HTTPGuard)
 app.add_middleware(ResponseCounter)
 
 
@@ -51,7 +53,9 @@ class Router:
 
     async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
                        admission: bool = False, block_size: int = 16, revision: str | None = None,
-                       chat_template: str | None = None, tool_call_parser: str = "hermes") -> None:
+                       chat_template: str | None = None, tool_call_parser: str = "hermes",
+                       guard: GuardConfig | None = None) -> None:
+        HTTPGuard.config = (guard or GuardConfig()).with_env_key()
         self.replica = replica
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
@@ -125,8 +129,8 @@ class Router:
             need = len(ids) + (max_tokens or 1)
             if len(ids) >= limit or need > limit:
                 raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                               f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion). "
-                               f"Please reduce the length of the {where} or completion.",
+                               f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion, "
+                               f"max_tokens). Please reduce the length of the {where} or completion.",
                                param=where if len(ids) >= limit else "max_tokens")
         sampling = self.generation_defaults.apply(req.sampling(max_tokens or limit - max(len(p) for p in prompts)),
                                                   set(SAMPLING_KEYS) - req.model_fields_set)
@@ -142,14 +146,15 @@ class Router:
         except (ValueError, TypeError) as e:
             raise APIError(str(e), param=param_of(str(e))) from None
         return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
-                               priority=req.priority, stream=req.stream)
+                               priority=req.priority, stream=req.stream, cache_salt=req.cache_salt)
 
-    async def admit(self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0) -> RoutingHint:
+    async def admit(self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0,
+                    salt: str | None = None) -> RoutingHint:
         """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
         if self.gate is None:
-            return RoutingHint.from_token_ids(prompts[0], self.block_size)
+            return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt)
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
-        keys = block_hashes(prompts[0], self.block_size, None, MAX_PREFIX_BLOCKS)
+        keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS)
         d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n,
                                    num_blocks(max_tokens, self.block_size) * len(prompts) * n)
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
@@ -247,7 +252,7 @@ class Router:
                 prompts, where = self.tokenize_prompts(req.prompt), "prompt"
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where, structured)
                 rid = f"cmpl-{gen_req.request_id}"
-            hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0)
+            hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0, req.cache_salt)
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
                                       len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode,
                                       parser)

@@ -11,12 +11,12 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
+import ray
+from ray import serve
+
+from tests.test_serve_e2e import free_port, start_ray, stop_ray
 
 pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-
-from tests.test_serve_e2e import free_port, start_ray, stop_ray  # noqa: E402
 
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, max_model_len=512)
 APP = dict(replica_num_cpus=0.25, router_num_cpus=0.1, torch_threads=1)
@@ -115,12 +115,20 @@ def test_burst_gets_429_or_waits_in_queue_and_every_admitted_request_completes(c
 
 
 class Load:
-    """`n` clients in a thread, each sending long greedy completions back to back; a 429 waits Retry-After."""
+    """`n` clients in a thread, each sending long greedy completions back to back; a 429 waits Retry-After.
+    An exception in the thread fails the test at `__exit__`."""
 
     def __init__(self, url: str, n: int, prompt_len: int, max_tokens: int) -> None:
         self.url, self.n, self.prompt_len, self.max_tokens = url, n, prompt_len, max_tokens
         self.stop, self.codes = threading.Event(), []
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.run()), daemon=True)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.main, daemon=True)
+
+    def main(self) -> None:
+        try:
+            asyncio.run(self.run())
+        except BaseException as e:
+            self.error = e
 
     async def client(self, http: httpx.AsyncClient, seed: int) -> None:
         rng = random.Random(seed)
@@ -143,6 +151,14 @@ class Load:
         self.stop.set()
         self.thread.join(timeout=120)
         assert not self.thread.is_alive(), "a load client hung"
+        if self.error is not None:
+            raise AssertionError(f"a load client failed: {self.error!r}") from self.error
+
+
+def test_load_client_errors_fail_the_test() -> None:
+    with pytest.raises(AssertionError, match="a load client failed"):
+        with Load(f"http://127.0.0.1:{free_port()}", n=2, prompt_len=4, max_tokens=2):
+            time.sleep(0.2)
 
 
 def test_kv_pressure_scales_1_to_2_and_idle_back_to_1(cluster: SimpleNamespace) -> None:

@@ -7,7 +7,6 @@ import subprocess
 import time
 import urllib.parse
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import httpx
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.admission_actor import AdmissionActor
 from deployments.metrics import ReplicaMetrics, RouterMetrics, render
 from engine import LLM, EngineStats, SamplingParams
+from tests.serve_app import App, app_at
 
 
 def samples(text: str | bytes) -> dict[tuple[str, frozenset], float]:
@@ -94,7 +94,7 @@ ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block
 
 
 @pytest.fixture(scope="module")
-def app() -> Iterator[SimpleNamespace]:
+def app() -> Iterator[App]:
     from ray import serve
     from tests.test_serve_e2e import free_port, start_ray, stop_ray, wait_ready
     start_ray()
@@ -105,7 +105,9 @@ def app() -> Iterator[SimpleNamespace]:
                 "torch_threads": 1, "port": port})
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 120)
-        yield SimpleNamespace(url=url, port=port, http=httpx.Client(base_url=url, timeout=60))
+        app = app_at(url)
+        app.port = port
+        yield app
     finally:
         serve.shutdown()
         stop_ray()
@@ -121,7 +123,8 @@ def scrape_until(http: httpx.Client, ok: Callable[[dict], bool], timeout: float 
 
 
 @pytest.mark.slow
-def test_served_metrics_follow_requests_and_count_every_response(app: SimpleNamespace) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_served_metrics_follow_requests_and_count_every_response(app: App) -> None:
     before = samples(app.http.get("/metrics").text)
     bodies = [{"prompt": f"def f{i}(x):", "max_tokens": 4 + 3 * i, "ignore_eos": True, "temperature": 0,
                "stream": i % 2 == 1, "stream_options": {"include_usage": True} if i % 2 else None} for i in range(6)]
@@ -175,7 +178,8 @@ def test_served_metrics_follow_requests_and_count_every_response(app: SimpleName
 
 
 @pytest.mark.slow
-def test_real_prometheus_scrapes_the_endpoint(app: SimpleNamespace, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_real_prometheus_scrapes_the_endpoint(app: App, tmp_path: Path) -> None:
     binary = shutil.which("prometheus")
     assert binary, "the Debian `prometheus` package is a test dependency (apt-get install -y prometheus)"
     from tests.test_serve_e2e import free_port
@@ -223,7 +227,8 @@ def test_grafana_dashboard_queries_only_exported_series() -> None:
 
 
 @pytest.mark.slow
-def test_bench_serve_end_to_end_agrees_with_the_metrics(app: SimpleNamespace, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_bench_serve_end_to_end_agrees_with_the_metrics(app: App, tmp_path: Path) -> None:
     from engine.cli import main
     before = samples(app.http.get("/metrics").text)
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"

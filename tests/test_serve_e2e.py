@@ -1,51 +1,26 @@
 """End to end over real Ray Serve and loopback HTTP: one app for the module, plus `serve run serve_config.yaml`."""
-import json
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
+import ray
 import yaml
+from ray import serve
+
+from tests.serve_app import App, free_port, serve_app, sse_events, start_ray, stop_ray  # noqa: F401 (re-exported)
 
 pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96,
               max_model_len=512)
 PROMPT = "def fibonacci(n):"
-
-
-TEMP_DIRS: list[str] = []
-
-
-def stop_ray() -> None:
-    ray.shutdown()
-    while TEMP_DIRS:
-        shutil.rmtree(TEMP_DIRS.pop(), ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_ray() -> str:
-    tmp = tempfile.mkdtemp(prefix="ray-serve-", dir="/tmp")
-    TEMP_DIRS.append(tmp)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
-             object_store_memory=200 * 2**20, log_to_driver=False)
-    return ray.get_runtime_context().gcs_address
 
 
 def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -69,7 +44,8 @@ def test_serve_run_config(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     address = start_ray()
     proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 300, proc)
@@ -77,7 +53,6 @@ def test_serve_run_config(tmp_path: Path) -> None:
         r = httpx.post(f"{url}/v1/completions", json={"model": "demo:smollm2", "prompt": "The capital of France is",
                                                       "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
-        openai = pytest.importorskip("openai")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         chunks = list(client.chat.completions.create(model="demo:smollm2", messages=question, max_tokens=16,
@@ -98,20 +73,9 @@ def test_serve_run_config(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[SimpleNamespace]:
-    from deployments.app import deploy
-    start_ray()
-    port = free_port()
-    try:
-        deploy({"engine": ENGINE, "num_replicas": 1, "replica_num_cpus": 0.5, "router_num_cpus": 0.5,
-                "torch_threads": 1, "port": port})
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, 120)
-        replica = serve.get_deployment_handle("LLMReplica", app_name="default")
-        yield SimpleNamespace(url=url, replica=replica, http=httpx.Client(base_url=url, timeout=60))
-    finally:
-        serve.shutdown()
-        stop_ray()
+def server() -> Iterator[App]:
+    with serve_app({}) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +86,8 @@ def offline() -> Iterator[object]:
     llm.shutdown() if hasattr(llm, "shutdown") else None
 
 
-def sse_events(resp: httpx.Response) -> list[dict]:
-    events = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            events.append("DONE" if line == "data: [DONE]" else json.loads(line[6:]))
-    return events
-
-
-def test_models_health_metrics(server: SimpleNamespace) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_models_health_metrics(server: App) -> None:
     models = server.http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "demo:tiny"
     assert models["data"][0]["max_model_len"] == 512
@@ -142,7 +99,8 @@ def test_models_health_metrics(server: SimpleNamespace) -> None:
     assert server.replica.info.remote().result()["torch_threads"] == 1
 
 
-def test_greedy_matches_offline_engine(server: SimpleNamespace, offline: object) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_greedy_matches_offline_engine(server: App, offline: object) -> None:
     from engine import SamplingParams
     out = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     r = server.http.post("/v1/completions", json={"model": "demo:tiny", "prompt": PROMPT, "max_tokens": 24,
@@ -158,8 +116,8 @@ def test_greedy_matches_offline_engine(server: SimpleNamespace, offline: object)
     assert ids["choices"][0]["text"] == out.outputs[0].text
 
 
-def test_openai_client(server: SimpleNamespace) -> None:
-    openai = pytest.importorskip("openai")
+@pytest.mark.usefixtures("pool_whole")
+def test_openai_client(server: App) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     assert [m.id for m in client.models.list()] == ["demo:tiny"]
     kw = dict(model="demo:tiny", max_tokens=12, temperature=0)
@@ -184,7 +142,8 @@ def test_openai_client(server: SimpleNamespace) -> None:
     assert len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
-def test_n_and_batch_and_httpx_stream(server: SimpleNamespace) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_n_and_batch_and_httpx_stream(server: App) -> None:
     r = server.http.post("/v1/completions", json={"prompt": ["a = 1", "import os"], "n": 2, "max_tokens": 5,
                                                   "seed": 7, "ignore_eos": True, "logprobs": 1})
     body = r.json()
@@ -226,7 +185,8 @@ def test_n_and_batch_and_httpx_stream(server: SimpleNamespace) -> None:
      400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": "red"}]}, 400, "messages"),
 ])
-def test_bad_requests(server: SimpleNamespace, path: str, body: dict, status: int, param: str) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_bad_requests(server: App, path: str, body: dict, status: int, param: str) -> None:
     r = server.http.post(path, json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -234,13 +194,15 @@ def test_bad_requests(server: SimpleNamespace, path: str, body: dict, status: in
     assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def test_malformed_json_and_unknown_route(server: SimpleNamespace) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_malformed_json_and_unknown_route(server: App) -> None:
     r = server.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert server.http.get("/v1/nothing").status_code == 404
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server: SimpleNamespace) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_client_disconnect_aborts_and_frees_blocks(server: App) -> None:
     before = server.replica.stats.remote().result()
     with httpx.Client(base_url=server.url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "stream": True,
@@ -262,7 +224,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server: SimpleNamespace) -> N
     assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def test_metrics_after_traffic(server: SimpleNamespace) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_metrics_after_traffic(server: App) -> None:
     assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     assert server.http.post("/v1/completions", json={"prompt": "x", "temperature": -1}).status_code == 400
     text = server.http.get("/metrics").text
@@ -272,7 +235,8 @@ def test_metrics_after_traffic(server: SimpleNamespace) -> None:
     assert "conveyor:time_to_first_token_seconds_count" in text  # tests/test_metrics.py checks the values
 
 
-def test_tensor_parallel_replica(server: SimpleNamespace, offline: object) -> None:
+@pytest.mark.usefixtures("pool_whole")
+def test_tensor_parallel_replica(server: App, offline: object) -> None:
     from deployments.app import AppArgs, build_app
     from engine import SamplingParams
     args = AppArgs(engine={**ENGINE, "tensor_parallel_size": 2}, replica_num_cpus=0.1, worker_num_cpus=0.4,

@@ -4,6 +4,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+import deployments.app as apps
+import deployments.router as router_module
 from deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest
 from deployments.responses import DONE, ResponseBuilder, merge_deltas, sse_error
 
@@ -140,25 +142,24 @@ def test_whole_responses_with_logprobs() -> None:
 
 
 def test_router_error_handlers() -> None:
-    router = pytest.importorskip("deployments.router")
     from fastapi.exceptions import RequestValidationError
     try:
         CompletionRequest.model_validate({"prompt": "x", "temperature": -1})
     except ValidationError as e:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-    resp = asyncio.run(router.app.exception_handlers[RequestValidationError](None, RequestValidationError(errors)))
+    handler = router_module.app.exception_handlers[RequestValidationError]
+    resp = asyncio.run(handler(None, RequestValidationError(errors)))
     body = json.loads(resp.body)
     assert resp.status_code == 400 and body["error"]["param"] == "temperature"
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert router.param_of("SamplingParams.min_tokens must be in [0, max_tokens=3]") == "min_tokens"
-    assert router.param_of("prompt + max_tokens (9 + 9) needs 2 KV blocks but the cache holds 1") == "max_tokens"
-    assert router.param_of("prompt_token_ids: 9 is outside the vocabulary [0, 8)") == "prompt"
+    assert router_module.param_of("SamplingParams.min_tokens must be in [0, max_tokens=3]") == "min_tokens"
+    assert router_module.param_of("prompt + max_tokens (9 + 9) needs 2 KV blocks but the cache holds 1") == "max_tokens"
+    assert router_module.param_of("prompt_token_ids: 9 is outside the vocabulary [0, 8)") == "prompt"
 
 
 def test_app_args_fail_naming_the_field() -> None:
-    app = pytest.importorskip("deployments.app")
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as build
-    assert build(app.build_app, {"engine": {"max_num_seqs": 4}}) is not None
+    assert build(apps.build_app, {"engine": {"max_num_seqs": 4}}) is not None
     for bad, field in [({"num_replicas": 0}, "num_replicas"), ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
                        ({"engine": {"bogus": 1}}, "engine.bogus"), ({"model": "no/such/dir"}, "model"),
                        ({"replicas": 2}, "replicas"), ({"port": 70000}, "port"),
@@ -171,28 +172,26 @@ def test_app_args_fail_naming_the_field() -> None:
                        ({"kv_autoscaling": {}, "autoscaling": {"max_replicas": 2}}, "autoscaling"),
                        ({"stats_push_s": 0.5}, "stats_push_s")]:
         with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
-            build(app.build_app, bad)
+            build(apps.build_app, bad)
 
 
 def test_replica_placement() -> None:
-    app = pytest.importorskip("deployments.app")
-    opts = app.AppArgs(engine={"tensor_parallel_size": 2, "device": "cpu"}, replica_num_cpus=0.5).replica_options()
+    opts = apps.AppArgs(engine={"tensor_parallel_size": 2, "device": "cpu"}, replica_num_cpus=0.5).replica_options()
     assert opts["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
     assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["ray_actor_options"]["num_cpus"] == 0.5
     assert opts["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
-    gpu = app.AppArgs(engine={"device": "cuda"}, autoscaling={"min_replicas": 1, "max_replicas": 3}).replica_options()
+    gpu = apps.AppArgs(engine={"device": "cuda"}, autoscaling={"min_replicas": 1, "max_replicas": 3}).replica_options()
     assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] and gpu["num_replicas"] == "auto"
     assert gpu["ray_actor_options"]["num_gpus"] == 1.0 and gpu["max_ongoing_requests"] >= 256
-    tp = app.AppArgs(engine={"tensor_parallel_size": 2, "device": "cuda"}).replica_options()
+    tp = apps.AppArgs(engine={"tensor_parallel_size": 2, "device": "cuda"}).replica_options()
     assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
     assert tp["ray_actor_options"]["num_gpus"] == 0
 
 
 def test_cluster_layer_options() -> None:
-    app = pytest.importorskip("deployments.app")
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
     from cluster.autoscaling import KVCacheAutoscalingPolicy
-    opts = app.AppArgs(engine={"block_size": 32}, request_router={"affinity_weight": 2.0},
+    opts = apps.AppArgs(engine={"block_size": 32}, request_router={"affinity_weight": 2.0},
                        kv_autoscaling={"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2,
                                        "policy": {"target_kv_utilization": 0.6, "downscale_delay_s": 9}}).replica_options()
     scaling = opts["autoscaling_config"]
@@ -205,9 +204,9 @@ def test_cluster_layer_options() -> None:
     assert router.request_router_kwargs == {"affinity_weight": 2.0, "block_size": 32}
     (actor,) = opts["deployment_actors"]
     assert actor.name == "admission" and actor.init_kwargs == {"config": {"affinity_weight": 2.0, "block_size": 32}}
-    slo = app.AppArgs(max_queue_time_s=2.0).replica_options()["deployment_actors"][0].init_kwargs["config"]
+    slo = apps.AppArgs(max_queue_time_s=2.0).replica_options()["deployment_actors"][0].init_kwargs["config"]
     assert slo["max_queue_time_s"] == 2.0
     with pytest.raises(ValueError, match="max_queue_time_s"):
-        app.AppArgs(admission=None, max_queue_time_s=2.0)
-    bare = app.AppArgs(admission=None, request_router=None).replica_options()
+        apps.AppArgs(admission=None, max_queue_time_s=2.0)
+    bare = apps.AppArgs(admission=None, request_router=None).replica_options()
     assert "request_router_config" not in bare and "deployment_actors" not in bare and bare["num_replicas"] == 1

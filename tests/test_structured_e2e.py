@@ -3,19 +3,19 @@ trained demo:smollm2 model served with a chat template that renders tools."""
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator, Literal
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel
+from ray import serve
 
+from tests.serve_app import App, app_at
 from tests.test_serve_e2e import free_port, sse_events, start_ray, stop_ray, wait_ready
 
-pytestmark = pytest.mark.slow
-openai = pytest.importorskip("openai")
-from ray import serve  # noqa: E402
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("pool_whole")]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo:smollm2"
@@ -41,7 +41,7 @@ class Capital(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[SimpleNamespace]:
+def server() -> Iterator[App]:
     from deployments.app import deploy
     start_ray()
     port = free_port()
@@ -51,14 +51,15 @@ def server() -> Iterator[SimpleNamespace]:
                 "chat_template": str(ROOT / "deployments/chat_templates/chatml_tools.jinja")})
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 300)
-        yield SimpleNamespace(url=url, http=httpx.Client(base_url=url, timeout=120),
-                              client=openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0))
+        app = app_at(url, timeout=120)
+        app.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        yield app
     finally:
         serve.shutdown()
         stop_ray()
 
 
-def test_openai_parse_returns_a_parsed_object(server: SimpleNamespace) -> None:
+def test_openai_parse_returns_a_parsed_object(server: App) -> None:
     messages = [{"role": "user", "content": "Give the capital of Japan as JSON."}]
     r = server.client.beta.chat.completions.parse(model=MODEL, messages=messages, response_format=Capital,
                                                   max_tokens=60, temperature=0)
@@ -66,7 +67,7 @@ def test_openai_parse_returns_a_parsed_object(server: SimpleNamespace) -> None:
     assert isinstance(parsed, Capital) and r.choices[0].finish_reason == "stop"
 
 
-def test_structured_outputs_on_completions_and_json_object(server: SimpleNamespace) -> None:
+def test_structured_outputs_on_completions_and_json_object(server: App) -> None:
     body = {"model": MODEL, "prompt": "The answer is", "max_tokens": 12, "temperature": 0.7, "seed": 1, "n": 2}
     r = server.http.post("/v1/completions", json={**body, "structured_outputs": {"regex": "[0-9]{2,4}"}})
     assert r.status_code == 200, r.text
@@ -88,7 +89,7 @@ def tool_args_valid(call: object, tool: dict) -> dict:
     return args
 
 
-def test_required_tool_choice_returns_a_valid_call(server: SimpleNamespace) -> None:
+def test_required_tool_choice_returns_a_valid_call(server: App) -> None:
     r = server.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
                                               tool_choice="required", max_tokens=60, temperature=0)
     choice = r.choices[0]
@@ -104,7 +105,7 @@ def test_required_tool_choice_returns_a_valid_call(server: SimpleNamespace) -> N
     tool_args_valid(named.choices[0].message.tool_calls[0], TIME)
 
 
-def test_streamed_tool_call_deltas_reassemble_to_the_same_call(server: SimpleNamespace) -> None:
+def test_streamed_tool_call_deltas_reassemble_to_the_same_call(server: App) -> None:
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
     whole = server.client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
@@ -123,7 +124,7 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(server: SimpleNam
     assert calls[0]["id"].startswith("call_")
 
 
-def test_tool_messages_round_trip_through_the_template(server: SimpleNamespace) -> None:
+def test_tool_messages_round_trip_through_the_template(server: App) -> None:
     first = server.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
                                                   max_tokens=60, temperature=0).choices[0].message
     call = first.tool_calls[0]
@@ -147,7 +148,7 @@ def test_tool_messages_round_trip_through_the_template(server: SimpleNamespace) 
     ({"logit_bias": {"10": 500}}, "logit_bias"),
     ({"functions": []}, "functions"),
 ])
-def test_bad_constraints_are_400_and_the_engine_keeps_serving(server: SimpleNamespace, body: dict, param: str) -> None:
+def test_bad_constraints_are_400_and_the_engine_keeps_serving(server: App, body: dict, param: str) -> None:
     r = server.http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -157,7 +158,7 @@ def test_bad_constraints_are_400_and_the_engine_keeps_serving(server: SimpleName
     assert ok.status_code == 200 and re.fullmatch("[a-c]{4}", ok.json()["choices"][0]["text"])
 
 
-def test_streamed_json_schema_chat(server: SimpleNamespace) -> None:
+def test_streamed_json_schema_chat(server: App) -> None:
     schema = Capital.model_json_schema()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "France as JSON"}], "max_tokens": 60,
             "temperature": 0, "stream": True,

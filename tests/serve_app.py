@@ -1,0 +1,161 @@
+"""One real Ray Serve app on 127.0.0.1 for a test module, and the checks every end-to-end test ends with."""
+import json
+import re
+import shutil
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Iterator
+
+import httpx
+import ray
+from ray import serve
+
+TEMP_DIRS: list[str] = []
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96,
+              max_model_len=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ray(env: dict[str, str] | None = None) -> str:
+    tmp = tempfile.mkdtemp(prefix="ray-serve-", dir="/tmp")
+    TEMP_DIRS.append(tmp)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
+             object_store_memory=200 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": env} if env else None)
+    return ray.get_runtime_context().gcs_address
+
+
+def stop_ray() -> None:
+    ray.shutdown()
+    while TEMP_DIRS:
+        shutil.rmtree(TEMP_DIRS.pop(), ignore_errors=True)
+
+
+def wait_ready(url: str, timeout: float, ok: Callable[[], bool] = lambda: True, headers: dict | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5, headers=headers).status_code == 200 and ok():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 20.0, every: float = 0.02) -> Any:
+    """Poll `check` until it returns something truthy; its last value on timeout (for the assertion)."""
+    deadline, value = time.time() + timeout, None
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    return value
+
+
+@dataclass
+class App:
+    url: str
+    name: str
+    replica: Any
+    temp_dir: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, headers=self.headers)
+
+    def stats(self) -> dict[str, Any]:
+        return self.replica.stats.remote().result()
+
+    def num_replicas(self) -> int:
+        return serve.status().applications[self.name].deployments["LLMReplica"].replica_states.get("RUNNING", 0)
+
+    def admission_queued(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        m = re.search(r"^conveyor_admission_queued (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def pool_whole(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Wait until the replica is idle with every KV block free; the last stats either way."""
+        def idle() -> dict[str, Any] | None:
+            s = self.stats()
+            done = not s["num_running"] and not s["num_waiting"] and s["kv_blocks_free"] == s["kv_blocks_total"]
+            return s if done else None
+        return wait_for(idle, timeout) or self.stats()
+
+
+def app_at(url: str, name: str = "default", timeout: float = 60) -> App:
+    """The App view of an app a module deployed itself (its own arguments, its own Ray cluster)."""
+    app = App(url, name, serve.get_deployment_handle("LLMReplica", app_name=name), "", {})
+    app.http = httpx.Client(base_url=url, timeout=timeout)
+    return app
+
+
+def assert_pool_whole(app: Any) -> None:
+    """Every end-to-end test ends here: one replica, idle, every KV block free (polled, not slept for)."""
+    assert app.num_replicas() == 1, "these checks read the one replica's stats"
+    s = app.pool_whole()
+    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+    assert s["kv_blocks_free"] == s["kv_blocks_total"], s
+
+
+@contextmanager
+def serve_app(args: dict[str, Any], env: dict[str, str] | None = None, headers: dict[str, str] | None = None,
+              name: str = "default") -> Iterator[App]:
+    from deployments.app import deploy
+    start_ray(env)
+    port = free_port()
+    try:
+        deploy({"num_replicas": 1, "replica_num_cpus": 0.5, "router_num_cpus": 0.5, "torch_threads": 1,
+                **args, "engine": {**ENGINE, **args.get("engine", {})}, "port": port}, name=name)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 180, headers=headers)
+        replica = serve.get_deployment_handle("LLMReplica", app_name=name)
+        yield App(url, name, replica, TEMP_DIRS[-1], dict(headers or {}))
+    finally:
+        serve.shutdown()
+        stop_ray()
+
+
+API_KEY = "sk-conveyor-test-6b1f0c"
+SHARED_ARGS: dict[str, Any] = {
+    "api_key": API_KEY,
+    "max_body_bytes": 64 * 1024,
+    "engine": {"max_num_seqs": 1, "max_num_batched_tokens": 8, "num_blocks": 48, "enable_prefix_caching": True},
+    "admission": {"count_output_blocks": True, "queue_timeout_s": 5.0, "max_queued": 4, "retry_after_s": 1.0},
+}
+"""The app the HTTP reliability modules share (starting Serve costs ~30 s or more here): one sequence at a
+time and 8-token prefill chunks, so a test can catch a request waiting, in prefill or in decode; a 48-block
+pool that two long requests overfill, so admission queues and refuses."""
+_shared: list[Any] = []
+
+
+def shared_app() -> App:
+    if not _shared:
+        ctx = serve_app(SHARED_ARGS, headers={"Authorization": f"Bearer {API_KEY}"})
+        _shared.extend([ctx, ctx.__enter__()])
+    return _shared[1]
+
+
+def release_shared_app() -> None:
+    """Called by conftest before any test that does not use the shared app, and at the session's end."""
+    if _shared:
+        ctx = _shared[0]
+        _shared.clear()
+        ctx.__exit__(None, None, None)
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    return ["DONE" if line == "data: [DONE]" else json.loads(line[6:])
+            for line in resp.iter_lines() if line.startswith("data: ")]

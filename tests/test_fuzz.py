@@ -1,0 +1,53 @@
+"""Schemathesis against the router's own OpenAPI schema, over real HTTP: bounded examples per operation, a
+client timeout on every call, no 5xx, every error in the OpenAI shape, and the pool whole afterwards.
+(Driven through hypothesis directly: schemathesis' pytest loader does not run under pytest 9.)"""
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from tests.serve_app import App
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("conveyor_app", "pool_whole")]
+CALL_TIMEOUT_S = 60
+MAX_EXAMPLES = 30
+OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
+DEFAULT_MAX_TOKENS = 8
+
+
+def bounded(case: Any) -> Any:
+    """A body that names no length gets 8 tokens, not the rest of the context: the examples stay cheap on
+    2 cores, while every length that hypothesis does generate is sent as it is."""
+    if isinstance(case.body, dict) and not {"max_tokens", "max_completion_tokens"} & set(case.body):
+        case.body["max_tokens"] = DEFAULT_MAX_TOKENS
+    return case
+
+
+def test_no_server_errors(conveyor_app: App) -> None:
+    spec = httpx.get(f"{conveyor_app.url}/openapi.json", headers=conveyor_app.headers, timeout=30).json()
+    operations = [r.ok() for r in schemathesis.openapi.from_dict(spec).get_all_operations()]
+    operations = [op for op in operations if op.label in OPERATIONS]
+    assert {op.label for op in operations} == OPERATIONS
+    statuses: Counter[tuple[str, int]] = Counter()
+    start = time.perf_counter()
+    runs = [(op, mode) for op in operations for mode in schemathesis.GenerationMode
+            if mode == schemathesis.GenerationMode.POSITIVE or op.method.upper() == "POST"]
+    for op, mode in runs:
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy(mode).map(bounded))
+        def run(case: Any) -> None:
+            r = case.call(base_url=conveyor_app.url, headers=conveyor_app.headers, timeout=CALL_TIMEOUT_S)
+            statuses[(f"{op.label} {mode.value}", r.status_code)] += 1
+            assert r.status_code < 500, (op.label, case.body, r.text[:500])
+            if r.status_code >= 400:
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text[:500]
+        run()
+    print(f"fuzzed {sum(statuses.values())} calls in {time.perf_counter() - start:.1f}s: {dict(statuses)}")
+    assert sum(n for (label, _), n in statuses.items() if label.endswith("negative")) >= MAX_EXAMPLES
+    assert sum(n for (label, status), n in statuses.items() if status == 200) >= MAX_EXAMPLES // 2
