@@ -138,7 +138,7 @@ class Request(threading.Thread):
         if self.stream:
             return (self.status == 200 and len(self.events) >= 2 and self.events[-1] == "DONE"
                     and isinstance(self.events[-2], dict) and "error" in self.events[-2]
-                    and self.events[-2]["error"]["message"])
+                    and bool(self.events[-2]["error"]["message"]))
         return self.status is not None and self.status >= 500 and bool(self.json.get("error", {}).get("message"))
 
 
