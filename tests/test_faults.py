@@ -23,7 +23,6 @@ import ray
 import yaml
 from ray import serve
 
-from cluster.admission import AdmissionConfig
 from cluster.admission_actor import AdmissionActor, AdmissionClient
 from tests.test_serve_e2e import ROOT, free_port, start_ray, stop_ray
 
@@ -202,7 +201,6 @@ def test_admission_client_fails_open_while_the_actor_is_unreachable(caplog: pyte
         assert (await client.decide(2)).reason == "no_replicas", "a reachable actor without replicas still refuses"
 
     asyncio.run(scenario())
-    assert AdmissionConfig(**ADMISSION).staleness_s == 0.5
 
 
 @pytest.mark.slow
@@ -224,13 +222,15 @@ def test_killed_replica_is_replaced_and_its_requests_end_with_an_error(cluster: 
         assert r.status_code == 200, r.text
         served.append(r.headers["x-conveyor-replica"])
     assert victim not in served
-    stale = eventually(lambda: all(not r["fresh"] or r["replica_id"] != victim for r in view(http)["replicas"]),
-                       10, "admission stops trusting the dead replica")
-    dropped = eventually(lambda: victim not in {r["replica_id"] for r in view(http)["replicas"]}, 15,
-                         "admission forgets the dead replica")
-    print(f"dead replica stale in admission after {stale:.2f}s, dropped after {time.time() - killed_at:.2f}s "
+    eventually(lambda: all(not r["fresh"] or r["replica_id"] != victim for r in view(http)["replicas"]),
+               10, "admission stops trusting the dead replica")
+    stale = time.time() - killed_at
+    eventually(lambda: victim not in {r["replica_id"] for r in view(http)["replicas"]}, 15,
+               "admission forgets the dead replica")
+    dropped = time.time() - killed_at
+    print(f"dead replica stale in admission after {stale:.2f}s, dropped {dropped:.2f}s after the kill "
           f"(staleness_s {ADMISSION['staleness_s']}, drop_after_s {ADMISSION['drop_after_s']})")
-    assert time.time() - killed_at <= ADMISSION["drop_after_s"] + 5 and dropped >= 0
+    assert dropped <= ADMISSION["drop_after_s"] + 5
     join(reqs, 120)
     for r in reqs:
         assert r.transport_error is None, r.transport_error
