@@ -302,7 +302,10 @@ def test_killed_tp_worker_makes_the_replica_unhealthy_and_it_is_replaced(cluster
 @pytest.mark.slow
 def test_sigint_on_serve_run_drains_or_errors_every_request(cluster: SimpleNamespace, tmp_path: Path) -> None:
     """Last in the module: `serve run` deploys its config (replacing the module's app) and SIGINT shuts Serve
-    down. The child gets SIGINT back to the default handler, as a background job of a shell would not."""
+    down. The child gets SIGINT back to the default handler, as a background job of a shell would not.
+    Ray Serve 2.60's shutdown stops the HTTP proxy along with the replicas, so a request still streaming
+    usually sees its connection closed ("cut", a transport error) rather than a drained answer; the test
+    asserts that each one completes, errors explicitly or is cut, and that none outlives the shutdown."""
     config = {"http_options": {"host": "127.0.0.1", "port": cluster.port},
               "applications": [{"name": "drain", "route_prefix": "/drain", "import_path": "deployments.app:build_app",
                                 "args": {**APP, "admission": None}}]}
@@ -321,7 +324,7 @@ def test_sigint_on_serve_run_drains_or_errors_every_request(cluster: SimpleNames
         proc.send_signal(signal.SIGINT)
         join(reqs, 90)
         out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == 0, out[-3000:]
+        assert proc.returncode == 0 and "shutting down" in out.lower(), out[-3000:]
         outcomes = [("completed" if r.completed else "errored" if r.errored else
                      "cut" if r.transport_error else "?") for r in reqs]
         print("after SIGINT:", outcomes)
