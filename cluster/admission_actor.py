@@ -85,7 +85,9 @@ class AdmissionClient:
     background. `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
     snapshot (at most one per `refresh_s`) before refusing; when replicas are full, up to
     `max_queued` requests wait (FIFO, re-deciding on each refresh) up to `queue_timeout_s` for room.
-    `get_actor` resolves the actor handle (again after the actor was recreated)."""
+    `get_actor` resolves the actor handle (again after the actor was recreated). While the actor cannot be
+    reached and the local view is stale, `decide` fails open: it admits with no replica list (reason
+    "fail_open"), so the request router falls back to the replicas' own routing stats, and logs it."""
 
     def __init__(self, get_actor: Callable[[], Awaitable[Any]], refresh_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic):
@@ -100,19 +102,21 @@ class AdmissionClient:
         self._lock = asyncio.Lock()
         self.kv_version: int | None = None
         self.router_id = uuid.uuid4().hex
+        self.failed_at, self.error = float("-inf"), None
+        self.fail_open_logged_at = float("-inf")
 
     async def refresh(self) -> dict[str, Any]:
         async with self._lock:
             taken = self.controller.take_reservations()
             try:
                 if self._actor is None:
-                    self._actor = await self._get_actor()
+                    self._actor = await asyncio.wait_for(self._get_actor(), timeout=2.0)
                 now = self.clock()
                 sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
                 call = self._actor.sync.remote(sent, self.kv_version, self.router_id)
                 snapshot = await asyncio.wait_for(call, timeout=2.0)
-            except Exception:
-                self._actor = None
+            except Exception as e:
+                self._actor, self.failed_at, self.error = None, self.clock(), e
                 self.controller.untake(taken)
                 raise
             self.fetched_at = self.clock()
@@ -143,11 +147,13 @@ class AdmissionClient:
         refuse; `keys`: the prompt's block keys."""
         now = self.clock()
         d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
+        if not d.admit and d.reason in ("no_replicas", "stale") and self.failed_at > self.fetched_at:
+            return self._fail_open(d, self.error)  # the background refresh keeps trying; requests don't wait on it
         if not d.admit and d.reason in ("no_replicas", "stale") and now - self.fetched_at > self.refresh_s:
             try:
                 await self.refresh()
-            except Exception:
-                return d
+            except Exception as e:
+                return self._fail_open(d, e)
             now = self.clock()
             d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
         cfg = self.controller.config
@@ -166,3 +172,12 @@ class AdmissionClient:
         if d.admit:
             self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
         return d
+
+    def _fail_open(self, refused: Decision, error: BaseException | None) -> Decision:
+        """The actor is unreachable: admitting without a replica list beats refusing every request."""
+        now = self.clock()
+        if now - self.fail_open_logged_at > 5.0:
+            self.fail_open_logged_at = now
+            log.warning("admission actor unreachable (%r) and the view is %s: admitting without admission control "
+                        "(routing by the replicas' own load)", error, refused.reason)
+        return Decision(True, [], 0.0, "fail_open")

@@ -1,4 +1,5 @@
 import logging
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -56,6 +57,7 @@ class EngineConfig:
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
     cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
     seed: int = 0
+    check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     model_path: str = field(default="", repr=False)
 

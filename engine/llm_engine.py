@@ -47,6 +47,7 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.executor.num_swap_blocks)
         eos = eos_token_ids(config, self.tokenizer, self.generation_defaults)
         self.scheduler = Scheduler(config, self.block_manager, eos)
+        self.scheduler.runner_batch = getattr(getattr(self.executor, "runner", None), "batch", None)
         self._structured = None
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

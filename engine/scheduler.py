@@ -5,6 +5,8 @@ import time
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.invariants import check_invariants
+from engine.persistent_batch import PersistentBatch
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.watermark import Watermark
@@ -29,6 +31,7 @@ class Scheduler:
         self.released: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        self.runner_batch: PersistentBatch | None = None  # the model runner's, in process: checked with the tables
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -208,6 +211,8 @@ class Scheduler:
             changed.append(seq)
         self._release_static_batch()
         released, self.released = self.released, []
+        if self.config.check_invariants:
+            check_invariants(self, self.runner_batch)
         return list(dict.fromkeys(changed + released))
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

@@ -2,8 +2,11 @@
 import math
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from engine import LLM, SamplingParams
+from engine.model_source import resolve_model
 from tests.helpers import PROMPTS, assert_no_leak
 
 
@@ -71,25 +74,87 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm: LLM) -> None:
         assert [o.token_ids for o in run(llm, params)] == greedy
 
 
-def test_penalties_change_greedy_choice(llm: LLM) -> None:
-    base = run(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    rep = run(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1e4))
-    for b, r in zip(base, rep):
-        assert len(set(r.token_ids)) == len(r.token_ids), "a huge repetition penalty forbids repeats"
-    freq = run(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0,
-                                   presence_penalty=2.0))
-    assert [f.token_ids for f in freq] != [b.token_ids for b in base] or \
-        all(len(set(b.token_ids)) == len(b.token_ids) for b in base)
+@pytest.fixture(scope="module")
+def hf() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(resolve_model("demo:llama-tiny"), dtype=torch.float32).eval()
 
 
-def test_logprobs_top_n_and_sampled(llm: LLM) -> None:
-    out = run(llm, SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
-    assert len(out.logprobs) == 5
-    for tok, entry in zip(out.token_ids, out.logprobs):
-        assert tok in entry and 3 <= len(entry) <= 4
-        assert entry[tok] == max(entry.values()), "greedy picks the most likely token"
-        assert all(v <= 0 for v in entry.values())
-        assert math.fsum(math.exp(v) for v in entry.values()) <= 1 + 1e-5
+class OpenAIPenalties(LogitsProcessor):
+    """frequency/presence penalties as the OpenAI API defines them (over generated tokens only), written
+    independently of engine/sampler.py and run inside transformers' generate."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        counts = torch.zeros_like(scores)
+        out = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def hf_generate(hf: torch.nn.Module, ids: list[int], max_tokens: int, **kwargs: object) -> list[int]:
+    x = torch.tensor([ids])
+    y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                    do_sample=False, pad_token_id=3, **kwargs)
+    return y[0, len(ids):].tolist()
+
+
+def test_penalties_match_an_independent_computation(llm: LLM, hf: torch.nn.Module) -> None:
+    """A random-weight model hardly ever repeats a token in greedy decoding, so a logit bias of +30 on three
+    tokens (two from the prompt) makes the plain greedy output cycle through them and every penalty has
+    repeats to act on. Oracle: transformers' generate on the same checkpoint with its sequence_bias (applied
+    before penalties, as the engine does) and its repetition_penalty, or an OpenAI-style processor."""
+    prompts = [llm.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    n = 20
+    favoured = [prompts[0][0], prompts[1][1], 4000]
+    bias = {t: 30.0 for t in favoured}
+
+    def engine(**kwargs: object) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias=bias, **kwargs)
+        return [o.token_ids for o in run(llm, params, [{"prompt_token_ids": p} for p in prompts])]
+
+    def oracle(frequency: float = 0.0, presence: float = 0.0, **kwargs: object) -> list[list[int]]:
+        return [hf_generate(hf, p, n, sequence_bias={(t,): 30.0 for t in favoured}, **kwargs,
+                            logits_processor=LogitsProcessorList([OpenAIPenalties(len(p), frequency, presence)]))
+                for p in prompts]
+
+    base = engine()
+    assert base == oracle()
+    assert all(len(set(b)) < len(b) / 2 and set(b) <= set(favoured) for b in base), "plain greedy output repeats"
+    rep = engine(repetition_penalty=1.3)
+    assert rep == oracle(repetition_penalty=1.3)
+    assert all(r != b for r, b in zip(rep, base))
+    for frequency, presence in ((2.0, 0.0), (0.0, 2.0), (-1.0, 0.0)):
+        got = engine(frequency_penalty=frequency, presence_penalty=presence)
+        assert got == oracle(frequency, presence), (frequency, presence)
+        assert got != base, (frequency, presence)
+    assert_no_leak(llm)
+
+
+def test_logprobs_equal_log_softmax_of_transformers_logits(llm: LLM, hf: torch.nn.Module) -> None:
+    k, n = 4, 6
+    outs = run(llm, SamplingParams(temperature=0, max_tokens=n, logprobs=k, ignore_eos=True))
+    for prompt, out in zip(PROMPTS[:3], outs):
+        ids = llm.tokenizer(prompt).input_ids
+        assert len(out.logprobs) == n
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:]
+        expected = logits.float().log_softmax(dim=-1)
+        for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            top = expected[i].topk(k)
+            assert tok == int(top.indices[0]), "greedy picks transformers' most likely token"
+            assert set(entry) == set(top.indices.tolist()) | {tok}
+            for t, v in entry.items():
+                assert v == pytest.approx(float(expected[i, t]), abs=1e-4), (i, t)
+            assert math.fsum(math.exp(v) for v in entry.values()) <= 1 + 1e-5
+    sampled = run(llm, SamplingParams(temperature=1.0, seed=7, max_tokens=n, logprobs=0, ignore_eos=True))[0]
+    ids = llm.tokenizer(PROMPTS[0]).input_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + sampled.token_ids[:-1]])).logits[0, len(ids) - 1:].log_softmax(-1)
+    for i, (tok, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
+        assert set(entry) == {tok} and entry[tok] == pytest.approx(float(logits[i, tok]), abs=1e-4)
+    assert_no_leak(llm)
 
 
 def test_n_samples(llm: LLM) -> None:

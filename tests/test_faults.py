@@ -1,0 +1,335 @@
+"""Faults against real Ray Serve apps on 127.0.0.1: a replica killed under load, the admission actor killed,
+a tensor-parallel worker killed, SIGINT to `serve run` with requests in flight. Nothing hangs: every
+request completes or ends with an explicit error, and the block pools end whole. One Ray cluster and one
+2-replica app for the module; the TP app and the `serve run` app come and go in their tests (the last
+test ends Serve)."""
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from cluster.admission_actor import AdmissionActor, AdmissionClient
+from tests.test_serve_e2e import ROOT, free_port, start_ray, stop_ray
+
+ENGINE = dict(model="demo:tiny", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16,
+              num_blocks=256, max_model_len=1024)
+ADMISSION = {"staleness_s": 0.5, "drop_after_s": 3.0}
+APP = dict(model="demo:tiny", engine={k: v for k, v in ENGINE.items() if k != "model"}, replica_num_cpus=0.25,
+           router_num_cpus=0.1, torch_threads=1, admission=ADMISSION)
+
+
+def eventually(check: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> float:
+    start = time.time()
+    while time.time() - start < timeout:
+        try:
+            if check():
+                return time.time() - start
+        except Exception:
+            pass
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SimpleNamespace]:
+    from deployments.app import AppArgs, build_app
+    address = start_ray()
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(AppArgs(**APP, num_replicas=2)), name="faults", route_prefix="/faults")
+        url = f"http://127.0.0.1:{port}"
+        http = httpx.Client(base_url=f"{url}/faults", timeout=60)
+        eventually(lambda: fresh_replicas(http) == 2, 60, "both replicas report to admission")
+        yield SimpleNamespace(url=url, port=port, address=address, http=http)
+    finally:
+        serve.shutdown()
+        stop_ray()
+
+
+def view(http: httpx.Client) -> dict[str, Any]:
+    return http.get("/v1/cluster").json()
+
+
+def fresh_replicas(http: httpx.Client) -> int:
+    return sum(r["fresh"] for r in view(http)["replicas"])
+
+
+def pool_whole(http: httpx.Client, replicas: int) -> bool:
+    rows = view(http)["replicas"]
+    return len(rows) == replicas and all(r["fresh"] and r["num_running"] == r["num_waiting"] == 0
+                                         and r["kv_blocks_free"] == r["kv_blocks_total"] for r in rows)
+
+
+def running_replicas(app: str) -> int:
+    return serve.status().applications[app].deployments["LLMReplica"].replica_states.get("RUNNING", 0)
+
+
+def replica_actor(replica_id: str) -> Any:
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(replica_id):
+            return ray.get_actor(a["name"], namespace=a["namespace"])
+    raise LookupError(replica_id)
+
+
+class Request(threading.Thread):
+    """One long completion in a thread, recording how it ended: status, replica, SSE events or body."""
+
+    def __init__(self, url: str, stream: bool, max_tokens: int, seed: int) -> None:
+        super().__init__(daemon=True)
+        rng = random.Random(seed)
+        self.url, self.stream, self.max_tokens = url, stream, max_tokens
+        self.body = {"prompt": [rng.randrange(4, 8000) for _ in range(24)], "max_tokens": max_tokens,
+                     "ignore_eos": True, "temperature": 0, "stream": stream}
+        self.status: int | None = None
+        self.replica: str | None = None
+        self.events: list[Any] = []
+        self.json: dict[str, Any] | None = None
+        self.transport_error: str | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.url, timeout=httpx.Timeout(90)) as c:
+                if self.stream:
+                    with c.stream("POST", "/v1/completions", json=self.body) as r:
+                        self.status, self.replica = r.status_code, r.headers.get("x-conveyor-replica")
+                        for line in r.iter_lines():
+                            if line.startswith("data: "):
+                                self.events.append("DONE" if line == "data: [DONE]" else json.loads(line[6:]))
+                                self.started.set()
+                else:
+                    r = c.post("/v1/completions", json=self.body)
+                    self.status, self.replica, self.json = r.status_code, r.headers.get("x-conveyor-replica"), r.json()
+        except httpx.TransportError as e:
+            self.transport_error = repr(e)
+        finally:
+            self.started.set()
+
+    @property
+    def completed(self) -> bool:
+        if self.stream:
+            finish = [e["choices"][0]["finish_reason"] for e in self.events
+                      if isinstance(e, dict) and e.get("choices") and e["choices"][0].get("finish_reason")]
+            errors = [e for e in self.events if isinstance(e, dict) and "error" in e]
+            return self.status == 200 and finish == ["length"] and not errors and self.events[-1] == "DONE"
+        return (self.status == 200 and self.json["choices"][0]["finish_reason"] == "length"
+                and self.json["usage"]["completion_tokens"] == self.max_tokens)
+
+    @property
+    def errored(self) -> bool:
+        """An explicit error: 5xx in the OpenAI error shape, or an SSE error event followed by [DONE]."""
+        if self.stream:
+            return (self.status == 200 and len(self.events) >= 2 and self.events[-1] == "DONE"
+                    and isinstance(self.events[-2], dict) and "error" in self.events[-2]
+                    and bool(self.events[-2]["error"]["message"]))
+        return self.status is not None and self.status >= 500 and bool(self.json.get("error", {}).get("message"))
+
+
+def start_requests(url: str, n_stream: int, n_plain: int, max_tokens: int) -> list[Request]:
+    reqs = [Request(url, i < n_stream, max_tokens, seed=i) for i in range(n_stream + n_plain)]
+    for r in reqs:
+        r.start()
+    return reqs
+
+
+def join(reqs: list[Request], timeout: float) -> None:
+    deadline = time.time() + timeout
+    for r in reqs:
+        r.join(max(0.0, deadline - time.time()))
+    hung = [r.body["stream"] for r in reqs if r.is_alive()]
+    assert not hung, f"{len(hung)} requests hung past {timeout}s"
+
+
+def test_admission_client_fails_open_while_the_actor_is_unreachable(caplog: pytest.LogCaptureFixture) -> None:
+    """No Ray here: an actor whose calls fail. The client admits with no replica list (the request router then
+    uses the replicas' own load) instead of answering 503 to everyone, logs it once, and is back on the
+    actor's view as soon as a refresh succeeds."""
+    body, alive = AdmissionActor(ADMISSION), [True]
+
+    class Actor:
+        class sync:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                async def call() -> dict[str, Any]:
+                    if not alive[0]:
+                        raise ConnectionError("actor died")
+                    return body.sync(*args)
+                return call()
+
+    async def get_actor() -> Actor:
+        return Actor()
+
+    async def scenario() -> None:
+        from engine.stats import EngineStats
+        client = AdmissionClient(get_actor)
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        d = await client.decide(2)
+        assert d.admit and d.replicas == ["r"] and d.reason == "ok"
+        alive[0] = False
+        await asyncio.sleep(ADMISSION["staleness_s"] + 0.1)
+        logger = logging.getLogger("ray.serve")
+        logger.addHandler(caplog.handler)
+        try:
+            decisions = [await client.decide(2) for _ in range(5)]
+        finally:
+            logger.removeHandler(caplog.handler)
+        assert all(d.admit and d.replicas == [] and d.reason == "fail_open" for d in decisions)
+        assert sum("admitting without admission control" in r.message for r in caplog.records) == 1
+        alive[0] = True
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        await client.refresh()
+        d = await client.decide(2)
+        assert d.admit and d.replicas == ["r"] and d.reason == "ok"
+        client.controller.replicas.clear()
+        body.controller.forget("r")
+        assert (await client.decide(2)).reason == "no_replicas", "a reachable actor without replicas still refuses"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_killed_replica_is_replaced_and_its_requests_end_with_an_error(cluster: SimpleNamespace) -> None:
+    url, http = f"{cluster.url}/faults", cluster.http
+    before = {r["replica_id"] for r in view(http)["replicas"]}
+    reqs = start_requests(url, n_stream=6, n_plain=4, max_tokens=700)
+    streams = [r for r in reqs if r.stream]
+    for r in streams:
+        assert r.started.wait(60), "a stream never started"
+    on = {rid: [r for r in streams if r.replica == rid] for rid in before}
+    victim = max(on, key=lambda rid: len(on[rid]))
+    assert on[victim] and all(r.events and r.events[-1] != "DONE" for r in on[victim]), "victim's streams in flight"
+    ray.kill(replica_actor(victim), no_restart=True)
+    killed_at = time.time()
+    served = []
+    for i in range(6):
+        r = http.post("/v1/completions", json={"prompt": f"after the kill {i}", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        served.append(r.headers["x-conveyor-replica"])
+    assert victim not in served
+    eventually(lambda: all(not r["fresh"] or r["replica_id"] != victim for r in view(http)["replicas"]),
+               10, "admission stops trusting the dead replica")
+    stale = time.time() - killed_at
+    eventually(lambda: victim not in {r["replica_id"] for r in view(http)["replicas"]}, 15,
+               "admission forgets the dead replica")
+    dropped = time.time() - killed_at
+    print(f"dead replica stale in admission after {stale:.2f}s, dropped {dropped:.2f}s after the kill "
+          f"(staleness_s {ADMISSION['staleness_s']}, drop_after_s {ADMISSION['drop_after_s']})")
+    assert dropped <= ADMISSION["drop_after_s"] + 5
+    join(reqs, 120)
+    for r in reqs:
+        assert r.transport_error is None, r.transport_error
+        assert r.completed or r.errored, (r.stream, r.status, r.events[-3:] if r.stream else r.json)
+        if r.stream:
+            assert r.completed == (r.replica != victim), (r.replica, victim, r.events[-2:])
+    assert sum(r.errored for r in reqs) >= len(on[victim])
+    eventually(lambda: running_replicas("faults") == 2, 120, "Serve replaces the killed replica")
+    eventually(lambda: fresh_replicas(http) == 2 and victim not in {r["replica_id"] for r in view(http)["replicas"]},
+               60, "the new replica reports to admission")
+    eventually(lambda: pool_whole(http, 2), 30, "both block pools are whole")
+
+
+@pytest.mark.slow
+def test_killed_admission_actor_fails_open_and_comes_back(cluster: SimpleNamespace) -> None:
+    http = cluster.http
+    handle = serve.get_deployment_handle("LLMReplica", app_name="faults")
+    actor = handle.admission.remote().result()
+    old = actor._actor_id.hex()
+    ray.kill(actor, no_restart=True)
+    time.sleep(ADMISSION["staleness_s"] + 0.5)
+    codes = []
+    for i in range(8):
+        r = http.post("/v1/completions", json={"prompt": f"no admission {i}", "max_tokens": 4, "temperature": 0})
+        codes.append(r.status_code)
+    assert codes == [200] * 8, codes
+
+    def back() -> bool:
+        return handle.admission.remote().result()._actor_id.hex() != old and fresh_replicas(http) == 2
+    took = eventually(back, 90, "Serve recreates the admission actor and both replicas report to it")
+    print(f"admission actor back after {took:.1f}s")
+    r = http.post("/v1/completions", json={"prompt": "admitted again", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200
+    metrics = http.get("/metrics").text
+    assert 'conveyor_admission_decisions_total{admitted="true",reason="fail_open"}' in metrics
+    eventually(lambda: pool_whole(http, 2), 30, "both block pools are whole")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_tp_worker_makes_the_replica_unhealthy_and_it_is_replaced(cluster: SimpleNamespace) -> None:
+    from deployments.app import AppArgs, build_app
+    args = AppArgs(**{**APP, "engine": {**APP["engine"], "tensor_parallel_size": 2}, "worker_num_cpus": 0.25})
+    serve.run(build_app(args), name="tp", route_prefix="/tp")
+    http = httpx.Client(base_url=f"{cluster.url}/tp", timeout=60)
+    try:
+        r = http.post("/v1/completions", json={"prompt": "tp", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200
+        first = r.headers["x-conveyor-replica"]
+        workers = [a for a in ray._private.state.actors().values()
+                   if a["ActorClassName"].endswith("Worker") and a["State"] == "ALIVE"]
+        assert len(workers) == 2, [a["ActorClassName"] for a in workers]
+        os.kill(workers[1]["Pid"], signal.SIGKILL)
+        killed = time.time()
+        unhealthy = eventually(lambda: http.get("/health", timeout=15).status_code == 503, 60,
+                               "the replica reports itself unhealthy")
+        print(f"TP replica unhealthy {unhealthy:.1f}s after its worker was killed")
+
+        def replaced() -> bool:
+            r = http.post("/v1/completions", json={"prompt": "tp again", "max_tokens": 4, "temperature": 0}, timeout=30)
+            return r.status_code == 200 and r.headers["x-conveyor-replica"] != first
+        eventually(replaced, 480, "Serve replaces the replica whose TP worker died", every=2.0)  # a TP start: minutes here
+        print(f"TP replica replaced {time.time() - killed:.1f}s after its worker was killed")
+        assert running_replicas("tp") == 1
+    finally:
+        serve.delete("tp")
+
+
+@pytest.mark.slow
+def test_sigint_on_serve_run_drains_or_errors_every_request(cluster: SimpleNamespace, tmp_path: Path) -> None:
+    """Last in the module: `serve run` deploys its config (replacing the module's app) and SIGINT shuts Serve
+    down. The child gets SIGINT back to the default handler, as a background job of a shell would not.
+    Ray Serve 2.60's shutdown stops the HTTP proxy along with the replicas, so a request still streaming
+    usually sees its connection closed ("cut", a transport error) rather than a drained answer; the test
+    asserts that each one completes, errors explicitly or is cut, and that none outlives the shutdown."""
+    config = {"http_options": {"host": "127.0.0.1", "port": cluster.port},
+              "applications": [{"name": "drain", "route_prefix": "/drain", "import_path": "deployments.app:build_app",
+                                "args": {**APP, "admission": None}}]}
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", cluster.address, str(path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    url = f"{cluster.url}/drain"
+    try:
+        eventually(lambda: httpx.get(f"{url}/v1/models", timeout=5).status_code == 200, 180, "serve run is up",
+                   every=0.5)
+        reqs = start_requests(url, n_stream=3, n_plain=3, max_tokens=300)
+        for r in reqs[:3]:
+            assert r.started.wait(60)
+        proc.send_signal(signal.SIGINT)
+        join(reqs, 90)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0 and "shutting down" in out.lower(), out[-3000:]
+        outcomes = [("completed" if r.completed else "errored" if r.errored else
+                     "cut" if r.transport_error else "?") for r in reqs]
+        print("after SIGINT:", outcomes)
+        assert "?" not in outcomes, [(r.status, r.events[-2:] if r.stream else r.json) for r in reqs]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
