@@ -13,8 +13,9 @@ Prompt = str | dict
 
 
 class LLM:
-    def __init__(self, model: str = "demo:tiny", **options: object) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+    def __init__(self, model: str = "demo:tiny", engine_core_process: bool = False, **options: object) -> None:
+        """engine_core_process: run the scheduler/model loop in a process of its own (detokenising here)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **options), engine_core_process=engine_core_process)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -75,6 +76,9 @@ class LLM:
                 bar.update(1)
         bar.close()
         return results
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
 def _sub_params(p: SamplingParams, j: int) -> SamplingParams:

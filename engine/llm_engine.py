@@ -1,16 +1,16 @@
-"""The synchronous engine: add_request / step / abort_request over scheduler, KV cache and executor."""
+"""The synchronous engine: add_request / step / abort_request. The front end (tokenizer, validation,
+detokenisation, stop strings) is here; the core (scheduler, KV cache, executor) runs in this thread or,
+with engine_core_process=True, in a process of its own (engine/core_process.py)."""
 import time
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.executor import make_executor
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.core_client import InprocClient, MPClient
+from engine.messages import AddRequest, CoreOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
 from engine.stats import EngineStats
 
 
@@ -22,21 +22,24 @@ def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> s
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_core_process: bool = False) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.vocab_size = config.hf_config.vocab_size
         self.max_model_len = config.max_model_len
-        self.executor = make_executor(config)
-        if self.executor.num_blocks < 1:
-            raise ValueError("EngineConfig.kv_cache_memory leaves no room for a single KV block")
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.executor.num_swap_blocks)
-        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids(config, self.tokenizer))
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.logprobs: dict[str, list[dict[int, float]]] = {}
-        self.prompts: dict[str, str | None] = {}
-        self.num_finished = self.num_aborted = 0
+        client = MPClient if engine_core_process else InprocClient
+        self.core = client(config, eos_token_ids(config, self.tokenizer))
+        self.num_blocks = self.core.num_blocks
+        self.processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def in_process(self) -> bool:
+        return isinstance(self.core, InprocClient)
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("scheduler", "block_manager", "executor") and isinstance(self.__dict__.get("core"), InprocClient):
+            return getattr(self.core.core, name)
+        raise AttributeError(f"LLMEngine has no attribute {name!r} (the core's parts exist only in process)")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -50,10 +53,10 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens, max_model_len is {self.max_model_len} "
                              f"(the prompt must leave room for at least one generated token)")
-        need = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len))
-        if need > self.block_manager.num_blocks:
+        need = -(-min(n + params.max_tokens, self.max_model_len) // self.config.block_size)
+        if need > self.num_blocks:
             raise ValueError(f"prompt + max_tokens ({n} + {params.max_tokens}) needs {need} KV blocks but the "
-                             f"cache holds {self.block_manager.num_blocks}")
+                             f"cache holds {self.num_blocks}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}")
 
@@ -61,73 +64,43 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None, prompt: str | None = None,
                     cache_salt: str | None = None) -> None:
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
-        self.scheduler.add(seq)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
-        self.logprobs[request_id] = []
-        self.prompts[request_id] = prompt
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.processor.add(request_id, prompt, list(prompt_token_ids), params, arrival_time)
+        try:
+            self.core.add_request(AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time,
+                                             cache_salt))
+        except BaseException:
+            self.processor.requests.pop(request_id, None)
+            raise
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        seq = self.scheduler.requests.get(request_id)
-        if seq is None:
-            return None
-        self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        out = self.processor.abort(request_id)
+        if out is not None:
+            self.core.finish_requests([request_id])
+        return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.processor.has_unfinished or self.core.has_unfinished
 
-    def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
-        ro = self.executor.execute_model(so)
-        changed = self.scheduler.update(so, ro, time.monotonic())
-        logprobs = dict(zip(ro.req_ids, ro.logprobs))
-        outputs = []
-        for seq in changed:
-            rid = seq.request_id
-            detok = self.detokenizers[rid]
-            new_tokens = range(len(detok.token_ids), seq.num_output_tokens)
-            if new_tokens and seq.params.logprobs is not None:
-                self.logprobs[rid].append(logprobs[rid])
-            for i in new_tokens:
-                stop = detok.add(seq.output_token_ids[i], i + 1)
-                if stop is not None and not seq.is_finished:
-                    self.scheduler.finish(seq, "stop", stop)
-            outputs.append(self._output(seq))
+    def step(self, timeout_s: float | None = None) -> list[RequestOutput]:
+        """One engine step's outputs (in process); from a core process: every step it has reported, waiting
+        up to timeout_s for one when none is queued."""
+        if not self.in_process and not self.processor.has_unfinished:
+            return []
+        return self.process_outputs(self.core.get_outputs(timeout_s))
+
+    def process_outputs(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+        """A request the core refused comes back finished with finish_reason "error" (stop_reason: why)."""
+        outputs, stops = self.processor.process(core_outputs)
+        if stops:
+            self.core.finish_requests([r for r, _ in stops], "stop", [s for _, s in stops])
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        rid, done = seq.request_id, seq.is_finished
-        detok = self.detokenizers[rid]
-        if done:
-            if not isinstance(seq.stop_reason, str):
-                detok.flush()
-            self.detokenizers.pop(rid)
-            self.num_finished += 1
-            self.num_aborted += seq.finish_reason == "abort"
-        logprobs = self.logprobs.pop(rid) if done else self.logprobs[rid]
-        completion = CompletionOutput(0, detok.visible_text(done), seq.output_token_ids, seq.finish_reason,
-                                      seq.stop_reason, logprobs if seq.params.logprobs is not None else None)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.finish_time, seq.num_preemptions, seq.num_cached_tokens)
-        prompt = self.prompts.pop(rid) if done else self.prompts[rid]
-        return RequestOutput(rid, prompt, seq.prompt_token_ids, [completion], done, metrics)
-
     def stats(self) -> EngineStats:
-        s, kv = self.scheduler, self.block_manager
-        return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
-            num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
-            num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
-            num_finished=self.num_finished, num_aborted=self.num_aborted)
+        return self.core.stats()
 
     def check_health(self) -> None:
-        self.executor.check_health()
+        self.core.check_health()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.core.shutdown()

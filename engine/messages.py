@@ -1,0 +1,73 @@
+"""What crosses between the engine front end (tokenizer, detokeniser, stop strings, streams) and the engine
+core (scheduler, KV cache, executor): typed msgspec structs, encoded as msgpack (no pickle)."""
+import msgspec
+
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
+    cache_salt: str | None = None
+
+
+class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
+    """Abort (reason "abort") or stop-string finishes found by the front end (reason "stop")."""
+    request_ids: list[str]
+    reason: str = "abort"
+    stop_reasons: list[str | None] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+CoreInput = AddRequest | FinishRequests | Shutdown
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's news from one step: only the tokens it has not reported yet."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[CoreOutput]
+    stats: EngineStats
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    num_blocks: int
+    num_swap_blocks: int
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    error: str
+
+
+CoreMessage = CoreOutputs | CoreReady | CoreFailed
+
+
+class Codec:
+    """One encoder and the two typed decoders; each side keeps its own instance (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.inputs = msgspec.msgpack.Decoder(CoreInput)
+        self.messages = msgspec.msgpack.Decoder(CoreMessage)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self.encoder.encode(msg)
