@@ -84,7 +84,7 @@ class MPClient:
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks, self.core_pid = ready.num_blocks, ready.pid
+        self.num_blocks, self.core_pid, self._stats = ready.num_blocks, ready.pid, ready.stats
 
     @property
     def has_unfinished(self) -> bool:

@@ -33,7 +33,7 @@ def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[in
         from engine.core import EngineCore
         core = EngineCore(EngineConfig(**options), eos_token_ids)
         outputs.send(codec.encode(CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks,
-                                            os.getpid())))
+                                            os.getpid(), core.stats())))
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         while True:

@@ -52,6 +52,7 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     num_swap_blocks: int
     pid: int
+    stats: EngineStats
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
