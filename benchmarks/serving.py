@@ -175,7 +175,8 @@ def start_apps(args: argparse.Namespace) -> str:
     start_ray(args, args.port)
     apps = {**APPS, **{f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}}
     for prefix, overrides in apps.items():
-        serve.run(build_app(app_args(args, **overrides)), name=prefix.strip("/") or "default", route_prefix=prefix)
+        serve.run(build_app(app_args(args, **overrides)), name=prefix.strip("/") or "default",
+                  route_prefix=prefix.rstrip("/") or "/")
     serve.run(floor_app(), name="floor", route_prefix="/floor")
     return f"http://127.0.0.1:{args.port}"
 
@@ -262,9 +263,14 @@ def main() -> None:
     off_tps = max(best.values())
     print(f"offline core process / in-thread: {best[True] / best[False]:.3f}; baseline {off_tps:.1f} tok/s")
 
-    url = start_apps(args)
-    child = start_haproxy_child(args) if args.haproxy else None
+    child = None
     try:
+        url = start_apps(args)
+        if args.haproxy:
+            try:
+                child = start_haproxy_child(args)
+            except RuntimeError as e:
+                print(f"HAProxy variant not measured: {e}")
         paths = {"today (core in replica thread)": "/inthread/", "default (core process)": "/",
                  "single deployment": "/single/", **{f"stream_interval={k}": f"/si{k}/" for k in args.stream_intervals}}
         results: dict[tuple[str, bool], list] = {}

@@ -69,7 +69,7 @@ class AppArgs(BaseModel):
     worker_num_cpus: float = Field(1.0, gt=0)
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
-    stream_interval: int = Field(1, ge=1)
+    stream_interval: int = Field(4, ge=1)
     engine_core_process: bool = True
     topology: Literal["handle", "single"] = "handle"
     handle_transport: Literal["by_reference", "grpc"] = "by_reference"

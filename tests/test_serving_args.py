@@ -21,12 +21,12 @@ def test_topologies_build_the_deployments_they_name() -> None:
     replica = default._bound_deployment.init_args[0]
     assert default._bound_deployment.name == "Router" and replica._bound_deployment.name == "LLMReplica"
     assert replica._bound_deployment.init_kwargs["engine_core_process"] is True
-    assert replica._bound_deployment.init_kwargs["stream_interval"] == 1
-    grpc = build_app(AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=4))
+    assert replica._bound_deployment.init_kwargs["stream_interval"] == 4
+    grpc = build_app(AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2))
     env = grpc._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
     assert env == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
     kwargs = grpc._bound_deployment.init_args[0]._bound_deployment.init_kwargs
-    assert kwargs["engine_core_process"] is False and kwargs["stream_interval"] == 4
+    assert kwargs["engine_core_process"] is False and kwargs["stream_interval"] == 2
     single = build_app(AppArgs(topology="single", request_router=None))
     assert single._bound_deployment.name == "LLMServer"
     assert single._bound_deployment.init_args[0]["engine_core_process"] is True
