@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 
 from engine.config import EngineConfig
+from engine.executor import allocate_kv_cache
 
 HEADER = struct.Struct("<Q")
 
@@ -109,9 +110,7 @@ class Worker:
         return info
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
-        self.runner.allocate_kv_cache(num_blocks)
-        cpu = self.runner.cpu_cache
-        return cpu.shape[2] if cpu.dim() > 2 else 0
+        return allocate_kv_cache(self.runner, num_blocks)
 
     def execute_model(self, so: object) -> object:
         return self.runner.execute_model(so)
