@@ -36,15 +36,17 @@ class KVMirror:
         self.lock = threading.Lock()
 
     def apply(self, events: KVEvents) -> None:
+        """A reset from the core (its first drain, or its log overflowed) becomes the difference to the keys
+        known here, so this side's reader sees ordinary events."""
         with self.lock:
+            stored, evicted = events.stored, events.evicted
             if events.reset:
-                self.keys = set(events.stored)
-                self.log.request_reset()
-                return
-            for key in events.stored:
+                listed = set(stored)
+                stored, evicted = list(listed - self.keys), list(self.keys - listed)
+            for key in stored:
                 self.keys.add(key)
                 self.log.add(key, True)
-            for key in events.evicted:
+            for key in evicted:
                 self.keys.discard(key)
                 self.log.add(key, False)
 

@@ -1,4 +1,5 @@
 """Runs a SchedulerOutput on the model. TP=1 runs in this process; TP>1 drives Ray workers."""
+import importlib
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
@@ -6,6 +7,12 @@ from engine.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
+
+
+def runner_class(config: EngineConfig) -> type["ModelRunner"]:
+    """EngineConfig.model_runner_cls, imported in whichever process builds the runner (core, TP worker)."""
+    module, _, name = config.model_runner_cls.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def allocate_kv_cache(runner: "ModelRunner", num_blocks: int) -> int:
@@ -28,8 +35,7 @@ class Executor(Protocol):
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        from engine.model_runner import ModelRunner
-        self.runner = ModelRunner(config)
+        self.runner = runner_class(config)(config)
         self.num_blocks = self.runner.available_blocks()
         self.num_swap_blocks = allocate_kv_cache(self.runner, self.num_blocks)
 

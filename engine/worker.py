@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 
 from engine.config import EngineConfig
-from engine.executor import allocate_kv_cache
+from engine.executor import allocate_kv_cache, runner_class
 
 HEADER = struct.Struct("<Q")
 
@@ -103,8 +103,7 @@ class Worker:
             torch.cuda.set_device(0)
         dist.init_process_group("nccl" if self.cuda else "gloo", store=self.store, rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
-        from engine.model_runner import ModelRunner
-        self.runner = ModelRunner(config)
+        self.runner = runner_class(config)(config)
         info = self.info()
         info.num_blocks = self.runner.available_blocks()
         return info

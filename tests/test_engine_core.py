@@ -1,5 +1,6 @@
 """The engine core in its own process: same tokens as in process (and as transformers), stop strings found
-on the front end, a crash fails in-flight requests instead of hanging; stream_interval batching."""
+on the front end, KV events, a crash fails in-flight requests instead of hanging; a model step that raises
+fails its requests only (both modes); stream_interval batching."""
 import asyncio
 import os
 import signal
@@ -7,7 +8,9 @@ import signal
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.async_engine import RequestFailed
 from engine.core_client import EngineCoreDied
+from tests.faulty_runner import MARK, RUNNER
 from tests.helpers import hf_greedy, prompt_ids
 
 MODEL = "demo:llama-tiny"
@@ -107,3 +110,76 @@ def test_stream_interval_batches_tokens_first_token_at_once(interval: int) -> No
     finally:
         engine.shutdown()
     assert counts == ([1, 5, 9, 10] if interval == 4 else list(range(1, 11)))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["in-thread", "core-process"])
+def faulty(request: pytest.FixtureRequest) -> LLM:
+    llm = LLM(MODEL, engine_core_process=request.param, dtype="float32", num_blocks=64, model_runner_cls=RUNNER)
+    yield llm
+    llm.shutdown()
+
+
+def test_a_model_step_that_raises_fails_its_requests_and_the_loop_goes_on(faulty: LLM) -> None:
+    """Every request of the failed step ends with finish_reason "error" and its blocks come back; the next
+    requests get transformers' greedy tokens (in the core's own process too)."""
+    prompts = prompt_ids(MODEL)[:2]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = faulty.generate([{"prompt_token_ids": p} for p in (prompts[0], MARK + [5, 6], prompts[1])], params,
+                           use_tqdm=False)
+    assert [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs] == [("error", [])] * 3
+    assert all("injected model fault" in o.outputs[0].stop_reason for o in outs)
+    again = faulty.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == hf_greedy(MODEL, prompts, 8)
+    assert _until_idle(faulty) if not faulty.engine.in_process else faulty.engine.stats().kv_blocks_free == 64
+
+
+def test_a_faulted_stream_raises_to_its_caller_others_finish(faulty: LLM) -> None:
+    """Through AsyncEngine: a stream already running when the fault hits fails with RequestFailed, as does the
+    marked one; a request after them completes; the engine stays healthy."""
+    engine = AsyncEngine(EngineConfig(model=MODEL, num_blocks=64, model_runner_cls=RUNNER),
+                         engine_core_process=not faulty.engine.in_process)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def consume(ids: list[int], sp: SamplingParams) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(ids, sp):
+            tokens = out.outputs[0].token_ids
+        return tokens
+
+    async def main() -> None:
+        running = asyncio.create_task(consume([1, 40, 41, 42], params))
+        for _ in range(1000):
+            if engine.stats().num_decode_tokens >= 2 or running.done():
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestFailed, match="injected model fault"):
+            await consume(MARK + [9], params)
+        with pytest.raises(RequestFailed, match="injected model fault"):
+            await asyncio.wait_for(running, timeout=30)
+        assert len(await consume([1, 40, 41], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))) == 5
+        engine.check_health()
+        for _ in range(100):
+            s = engine.stats()
+            if s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_kv_events_cross_from_the_core_process(llm_mp: LLM) -> None:
+    """The replica's stats push drains KV events from the front end; a core process reports them per step."""
+    first = llm_mp.engine.drain_kv_events()
+    assert first.reset
+    ids = prompt_ids(MODEL)[3]
+    llm_mp.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert _until_idle(llm_mp)
+    events = llm_mp.engine.drain_kv_events()
+    assert not events.reset and len(events.stored) >= len(ids) // 16 and not events.evicted
+    llm_mp.engine.request_kv_reset()
+    listing = llm_mp.engine.drain_kv_events()
+    assert listing.reset and set(events.stored) <= set(listing.stored)
