@@ -121,15 +121,21 @@ def faulty(request: pytest.FixtureRequest) -> LLM:
 
 def test_a_model_step_that_raises_fails_its_requests_and_the_loop_goes_on(faulty: LLM) -> None:
     """Every request of the failed step ends with finish_reason "error" and its blocks come back; the next
-    requests get transformers' greedy tokens (in the core's own process too)."""
+    requests get transformers' greedy tokens (in the core's own process too). In process the three requests
+    share the first step; a core process may have started the first one a step earlier."""
     prompts = prompt_ids(MODEL)[:2]
+    want = hf_greedy(MODEL, prompts, 8)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = faulty.generate([{"prompt_token_ids": p} for p in (prompts[0], MARK + [5, 6], prompts[1])], params,
                            use_tqdm=False)
-    assert [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs] == [("error", [])] * 3
-    assert all("injected model fault" in o.outputs[0].stop_reason for o in outs)
+    got = [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs]
+    assert got[1] == ("error", []) and "injected model fault" in outs[1].outputs[0].stop_reason
+    if faulty.engine.in_process:
+        assert got == [("error", [])] * 3
+    for (reason, tokens), w in zip(got[::2], want):
+        assert reason == "error" and tokens == w[:len(tokens)] or (reason, tokens) == ("length", w)
     again = faulty.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == hf_greedy(MODEL, prompts, 8)
+    assert [o.outputs[0].token_ids for o in again] == want
     assert _until_idle(faulty) if not faulty.engine.in_process else faulty.engine.stats().kv_blocks_free == 64
 
 

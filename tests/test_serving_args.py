@@ -1,4 +1,8 @@
-"""The serving-path app arguments: topology, handle transport, engine core process, stream_interval."""
+"""The serving-path app arguments: topology, handle transport, engine core process, stream_interval; the
+router's light imports."""
+import subprocess
+import sys
+
 import pytest
 
 from deployments.app import AppArgs, build_app
@@ -30,3 +34,14 @@ def test_topologies_build_the_deployments_they_name() -> None:
     single = build_app(AppArgs(topology="single", request_router=None))
     assert single._bound_deployment.name == "LLMServer"
     assert single._bound_deployment.init_args[0]["engine_core_process"] is True
+
+
+def test_the_http_router_imports_no_torch() -> None:
+    """The light edge: the router (and the request types, limits and tokenizer it uses) loads without torch."""
+    code = ("import sys, deployments.router as r; from engine.model_source import resolve_model; "
+            "t = r.PreTrainedTokenizerFast.from_pretrained(resolve_model('demo:tiny')); t('hi'); "
+            "r.RequestLimits(8192, 64, 16, 4).check(t('hi').input_ids, r.SamplingParams(max_tokens=4)); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels') "
+            "or m.startswith(('engine.models', 'engine.model_runner', 'engine.layers'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
