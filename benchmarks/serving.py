@@ -9,6 +9,7 @@ handle transport, single deployment, and a bare Serve app. --haproxy adds Ray Se
 served by a second Ray cluster in a subprocess (the flag is per cluster), interleaved with the rest.
 
     python benchmarks/serving.py --num-prompts 64 --max-tokens 64
+    python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, default + in-thread apps
 """
 import argparse
 import asyncio
@@ -152,6 +153,9 @@ APPS = {  # route prefix -> AppArgs overrides; "/" is the default configuration
 }
 
 
+QUICK_APPS = {k: APPS[k] for k in ("/", "/inthread/")}
+
+
 def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
     from deployments.app import AppArgs
     return AppArgs(**{**dict(model=args.model, engine=engine_options(args), num_replicas=1, replica_num_cpus=1.0,
@@ -168,13 +172,18 @@ def start_ray(args: argparse.Namespace, port: int) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 
+def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """--quick: the default and today's in-thread path only (each app loads a model replica)."""
+    extra = {f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}
+    return {**(QUICK_APPS if args.quick else APPS), **extra}
+
+
 def start_apps(args: argparse.Namespace) -> str:
     from ray import serve
 
     from deployments.app import build_app
     start_ray(args, args.port)
-    apps = {**APPS, **{f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}}
-    for prefix, overrides in apps.items():
+    for prefix, overrides in apps_of(args).items():
         serve.run(build_app(app_args(args, **overrides)), name=prefix.strip("/") or "default",
                   route_prefix=prefix.rstrip("/") or "/")
     serve.run(floor_app(), name="floor", route_prefix="/floor")
@@ -244,7 +253,12 @@ def main() -> None:
     p.add_argument("--haproxy", action="store_true", help="also measure Ray Serve's HAProxy ingress")
     p.add_argument("--serve-haproxy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--quick", action="store_true",
+                   help="16 prompts x 16 tokens, 8 TTFT requests, one round, default and in-thread apps only")
     args = p.parse_args()
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.ttft_reps, args.stream_intervals = 16, 16, 8, []
+    rounds = 1 if args.quick else 2
     torch.set_num_threads(args.threads)
     if args.serve_haproxy:
         return serve_haproxy(args)
@@ -252,13 +266,13 @@ def main() -> None:
     ttft_prompts = workload(args.ttft_reps + 2, *args.prompt_len, seed=1)
 
     offline = {mode: [] for mode in (False, True)}
-    for mode in (False, True, True, False):
+    for mode in (False, True, True, False)[:2 * rounds]:
         offline[mode].append(offline_throughput(args, prompts, mode))
     print(f"workload: {args.num_prompts} prompts x {args.prompt_len[0]}-{args.prompt_len[1]} tokens -> "
           f"{args.max_tokens} tokens, greedy, ignore_eos; {args.threads} torch threads; model {args.model}")
     for mode, name in ((False, "core in this thread"), (True, "core in own process")):
         runs = ", ".join(f"{n / t:.1f}" for t, n in offline[mode])
-        print(f"offline, {name}: {runs} tok/s (best kept)")
+        print(f"offline, {name}: {runs} tok/s" + (" (best kept)" if rounds > 1 else ""))
     best = {mode: max(n / t for t, n in runs) for mode, runs in offline.items()}
     off_tps = max(best.values())
     print(f"offline core process / in-thread: {best[True] / best[False]:.3f}; baseline {off_tps:.1f} tok/s")
@@ -273,8 +287,9 @@ def main() -> None:
                 print(f"HAProxy variant not measured: {e}")
         paths = {"today (core in replica thread)": "/inthread/", "default (core process)": "/",
                  "single deployment": "/single/", **{f"stream_interval={k}": f"/si{k}/" for k in args.stream_intervals}}
+        paths = {k: v for k, v in paths.items() if v in apps_of(args)}
         results: dict[tuple[str, bool], list] = {}
-        for _ in range(2):
+        for _ in range(rounds):
             for name, path in paths.items():
                 for stream in (False, True):
                     r = asyncio.run(http_throughput(url, path, prompts, args.max_tokens, stream, args.model))
@@ -284,6 +299,7 @@ def main() -> None:
         variants = {"today (in-thread core)": f"{url}/inthread/", "default (core process)": f"{url}/",
                     "gRPC handle transport": f"{url}/grpc/", "single deployment": f"{url}/single/",
                     "bare Serve app": f"{url}/floor/"}
+        variants = {k: v for k, v in variants.items() if v.removeprefix(url) in (*apps_of(args), "/floor/")}
         if child is not None:
             variants["HAProxy ingress"] = f"http://127.0.0.1:{args.port + 1}/"
             variants["HAProxy bare Serve app"] = f"http://127.0.0.1:{args.port + 1}/floor/"
@@ -294,8 +310,8 @@ def main() -> None:
             child.wait(timeout=120)
         stop_ray(args)
 
-    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of 2) vs offline {off_tps:.1f} tok/s; "
-          f"ITL = gaps between a stream's content chunks:")
+    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds}) vs offline "
+          f"{off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
     for (name, stream), (t, n, load_ttft, gaps) in results.items():
         line = f"  {name:<32} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"
         if stream and gaps:

@@ -74,7 +74,8 @@ class LLMReplica:
     def info(self) -> dict[str, Any]:
         return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "vocab_size": self.engine.vocab_size, "replica": self.replica_id, "limits": asdict(self.engine.limits),
-                "torch_threads": torch.get_num_threads(), "engine_core_pid": getattr(self.engine.engine.core, "core_pid", None)}
+                "torch_threads": torch.get_num_threads(),
+                "engine_core_pid": getattr(self.engine.engine.core, "core_pid", None)}
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats().to_dict()

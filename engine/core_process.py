@@ -10,8 +10,8 @@ import traceback
 
 import zmq
 
-from engine.messages import (AddRequest, Codec, CoreFailed, CoreOutput, CoreOutputs, CoreReady, FinishRequests, Shutdown,
-                             params_from_wire)
+from engine.messages import (AddRequest, Codec, CoreFailed, CoreOutput, CoreOutputs, CoreReady, FinishRequests,
+                             Shutdown, params_from_wire)
 
 IDLE_POLL_MS = 500
 
