@@ -26,6 +26,9 @@ class RequestLimits:
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens, max_model_len is {self.max_model_len} "
                              f"(the prompt must leave room for at least one generated token)")
+        if -(-n // self.block_size) > self.num_blocks:
+            raise ValueError(f"the prompt needs {-(-n // self.block_size)} KV-cache blocks but the cache holds "
+                             f"{self.num_blocks}")
         need = -(-min(n + params.max_tokens, self.max_model_len) // self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"prompt + max_tokens ({n} + {params.max_tokens}) needs {need} KV blocks but the "

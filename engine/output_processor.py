@@ -49,8 +49,8 @@ class OutputProcessor:
         st.detok.flush()
         last = st.last or CoreOutput(request_id, [])
         return self._output(request_id, st, CoreOutput(
-            request_id, [], None, "abort", None, last.first_scheduled_time, last.first_token_time,
-            last.last_token_time, time.monotonic(), last.num_preemptions, last.num_cached_tokens))
+            request_id, [], None, "abort", None, last.first_scheduled_time, last.first_token_time, None,
+            time.monotonic(), last.num_preemptions, last.num_cached_tokens))
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Returns the outputs to hand out and the (request_id, stop string) finishes the core must learn."""
