@@ -1,16 +1,24 @@
 """Serving over HTTP (Ray Serve + OpenAI API) vs the offline engine on the same workload.
 
-Prints: output tokens/s offline and over HTTP at saturation (target >= 85%), and the time to first token
-added by the Serve layer on loopback (HTTP TTFT p50 minus in-process AsyncEngine TTFT p50, target <= 10 ms).
+Prints: offline tok/s with the engine core in this thread and in its own process; HTTP tok/s at saturation
+(whole responses and SSE streams) for today's path (core in the replica's thread), the default (core in its
+own process), the single-deployment topology and a coarser stream_interval; inter-chunk latency (ITL) p50/p99
+under that load; and, interleaved request by request, the TTFT the Serve layer adds on loopback (HTTP TTFT
+minus the replica's own time to first deltas) for: in-thread core (today), core process (default), gRPC
+handle transport, single deployment, and a bare Serve app. --haproxy adds Ray Serve's HAProxy ingress,
+served by a second Ray cluster in a subprocess (the flag is per cluster), interleaved with the rest.
 
     python benchmarks/serving.py --num-prompts 64 --max-tokens 64
+    python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, default + in-thread apps
 """
 import argparse
 import asyncio
 import json
 import random
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,32 +44,16 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 num_blocks=args.num_blocks, max_model_len=args.max_model_len)
 
 
-def offline_throughput(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, int]:
+def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_process: bool) -> tuple[float, int]:
     from engine import LLM, SamplingParams
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, engine_core_process=core_process, **engine_options(args))
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], sp, use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    llm.engine.shutdown()
+    llm.shutdown()
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-async def engine_ttfts(args: argparse.Namespace, prompts: list[list[int]]) -> list[float]:
-    from engine import AsyncEngine, EngineConfig, SamplingParams
-    engine = AsyncEngine(EngineConfig(model=args.model, **engine_options(args)))
-    out = []
-    try:
-        for i, p in enumerate(prompts):
-            start = time.perf_counter()
-            sp = SamplingParams(temperature=0, max_tokens=1)
-            async for _ in engine.generate(prompt_token_ids=p, sampling_params=sp, request_id=f"ttft-{i}"):
-                out.append(time.perf_counter() - start)
-                break
-    finally:
-        engine.shutdown()
-    return out[2:]
 
 
 def replica_ms(r: httpx.Response) -> float:
@@ -69,30 +61,34 @@ def replica_ms(r: httpx.Response) -> float:
     return float(timing["replica"])
 
 
-async def http_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, stream: bool,
-                       model: str) -> tuple[float | None, float, int]:
+async def http_request(client: httpx.AsyncClient, path: str, prompt: list[int], max_tokens: int, stream: bool,
+                       model: str, gaps: list[float] | None = None) -> tuple[float | None, float, int]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream, "stream_options": {"include_usage": True} if stream else None}
     start = time.perf_counter()
     if not stream:
-        r = await client.post("/v1/completions", json=body)
+        r = await client.post(f"{path}v1/completions", json=body)
         r.raise_for_status()
         return None, replica_ms(r), r.json()["usage"]["completion_tokens"]
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    arrivals: list[float] = []
+    async with client.stream("POST", f"{path}v1/completions", json=body) as r:
         r.raise_for_status()
-        ttft, tokens = await read_completion_stream(r, start)
+        ttft, tokens = await read_completion_stream(r, start, arrivals)
+    if gaps is not None:
+        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
     return ttft, replica_ms(r), tokens
 
 
-async def http_throughput(url: str, prompts: list[list[int]], max_tokens: int, stream: bool,
-                          model: str) -> tuple[float, int, list[float]]:
+async def http_throughput(url: str, path: str, prompts: list[list[int]], max_tokens: int, stream: bool,
+                          model: str) -> tuple[float, int, list[float], list[float]]:
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    gaps: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(http_request(client, p, max_tokens, stream, model) for p in prompts[:16]))
+        await asyncio.gather(*(http_request(client, path, p, max_tokens, stream, model) for p in prompts[:16]))
         start = time.perf_counter()
-        res = await asyncio.gather(*(http_request(client, p, max_tokens, stream, model) for p in prompts))
+        res = await asyncio.gather(*(http_request(client, path, p, max_tokens, stream, model, gaps) for p in prompts))
         elapsed = time.perf_counter() - start
-    return elapsed, sum(t for _, _, t in res), [t for t, _, _ in res if t is not None]
+    return elapsed, sum(t for _, _, t in res), [t for t, _, _ in res if t is not None], gaps
 
 
 async def first_line_s(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> float:
@@ -104,13 +100,21 @@ async def first_line_s(client: httpx.AsyncClient, path: str, body: dict[str, Any
     raise RuntimeError(f"{path}: no data")
 
 
-async def http_ttfts(url: str, prompts: list[list[int]], model: str) -> tuple[list[float], list[float], list[float]]:
-    out, floor = [], []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        for p in prompts:
-            floor.append(await first_line_s(client, "/floor/", {}))
-            out.append(await http_request(client, p, 1, True, model))
-    return [t for t, _, _ in out[2:]], [t - r / 1000 for t, r, _ in out[2:]], floor[2:]
+async def http_ttfts(variants: dict[str, str], prompts: list[list[int]], model: str) -> dict[str, list[float]]:
+    """Per variant (name -> full URL prefix), HTTP TTFT minus the replica's own time to first deltas (the
+    floor app: its whole TTFT), one request per variant per prompt, round-robin."""
+    added: dict[str, list[float]] = {name: [] for name in variants}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i, p in enumerate(prompts):
+            for name, prefix in variants.items():
+                if name.endswith("bare Serve app"):
+                    t = await first_line_s(client, prefix, {})
+                else:
+                    ttft, rep, _ = await http_request(client, prefix, p, 1, True, model)
+                    t = ttft - rep / 1000
+                if i >= 2:
+                    added[name].append(t)
+    return added
 
 
 def floor_app() -> Any:
@@ -141,22 +145,90 @@ def floor_app() -> Any:
     return Front.bind(Echo.bind())
 
 
-def start_app(args: argparse.Namespace) -> str:
+APPS = {  # route prefix -> AppArgs overrides; "/" is the default configuration
+    "/": {},
+    "/inthread/": {"engine_core_process": False},
+    "/grpc/": {"handle_transport": "grpc"},
+    "/single/": {"topology": "single", "request_router": None},
+}
+
+
+QUICK_APPS = {k: APPS[k] for k in ("/", "/inthread/")}
+
+
+def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
+    from deployments.app import AppArgs
+    return AppArgs(**{**dict(model=args.model, engine=engine_options(args), num_replicas=1, replica_num_cpus=1.0,
+                             router_num_cpus=0.5, torch_threads=args.threads, port=args.port,
+                             stream_interval=args.stream_interval), **overrides})
+
+
+def start_ray(args: argparse.Namespace, port: int) -> None:
     import ray
     from ray import serve
-
-    from deployments.app import AppArgs, build_app
     args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp")
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-             _temp_dir=args.temp_dir, _node_ip_address="127.0.0.1",
-             object_store_memory=256 * 2**20)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    app_args = AppArgs(model=args.model, engine=engine_options(args), num_replicas=1, replica_num_cpus=1.0,
-                       router_num_cpus=0.5, torch_threads=args.threads, port=args.port,
-                       stream_interval_s=args.stream_interval, stream_chunks_per_s=args.stream_chunks_per_s)
-    serve.run(build_app(app_args), name="default", route_prefix="/")
+             _temp_dir=args.temp_dir, _node_ip_address="127.0.0.1", object_store_memory=256 * 2**20)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+
+def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """--quick: the default and today's in-thread path only (each app loads a model replica)."""
+    extra = {f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}
+    return {**(QUICK_APPS if args.quick else APPS), **extra}
+
+
+def start_apps(args: argparse.Namespace) -> str:
+    from ray import serve
+
+    from deployments.app import build_app
+    start_ray(args, args.port)
+    for prefix, overrides in apps_of(args).items():
+        serve.run(build_app(app_args(args, **overrides)), name=prefix.strip("/") or "default",
+                  route_prefix=prefix.rstrip("/") or "/")
     serve.run(floor_app(), name="floor", route_prefix="/floor")
     return f"http://127.0.0.1:{args.port}"
+
+
+def stop_ray(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+    shutil.rmtree(args.temp_dir, ignore_errors=True)
+
+
+def serve_haproxy(args: argparse.Namespace) -> None:
+    """Child mode: a Ray cluster of its own with RAY_SERVE_ENABLE_HA_PROXY=1 (set by the parent before Ray is
+    imported), the default app and the bare app; prints READY and serves until stdin closes."""
+    from ray import serve
+
+    from deployments.app import build_app
+    start_ray(args, args.port)
+    try:
+        serve.run(build_app(app_args(args)), name="default", route_prefix="/")
+        serve.run(floor_app(), name="floor", route_prefix="/floor")
+        print("READY", flush=True)
+        sys.stdin.read()
+    finally:
+        stop_ray(args)
+
+
+def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
+    port = args.port + 1
+    cmd = [sys.executable, __file__, "--serve-haproxy", "--port", str(port), "--model", args.model,
+           "--threads", str(args.threads), "--ray-cpus", str(args.ray_cpus),
+           "--stream-interval", str(args.stream_interval), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--num-blocks", str(args.num_blocks),
+           "--max-model-len", str(args.max_model_len)]
+    env = {**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC":
+           f"/tmp/haproxy-bench-{os.getpid()}/haproxy.cfg"}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if line.strip() != "READY":
+        proc.kill()
+        raise RuntimeError(f"HAProxy cluster did not start: {line!r}")
+    return proc
 
 
 def ms(xs: list[float], q: float = 0.5) -> float:
@@ -175,49 +247,81 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the replica")
-    p.add_argument("--ray-cpus", type=int, default=2)
-    p.add_argument("--stream-interval", type=float, default=0.0, help="replica: min seconds between stream chunks")
-    p.add_argument("--stream-chunks-per-s", type=float, default=200.0, help="replica: stream chunk budget (0: off)")
+    p.add_argument("--ray-cpus", type=int, default=16, help="logical CPUs (several apps, most of them idle)")
+    p.add_argument("--stream-interval", type=int, default=1, help="replica: tokens per stream output (default app)")
+    p.add_argument("--stream-intervals", type=int, nargs="*", default=[4], help="extra apps with these intervals")
+    p.add_argument("--haproxy", action="store_true", help="also measure Ray Serve's HAProxy ingress")
+    p.add_argument("--serve-haproxy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--quick", action="store_true",
+                   help="16 prompts x 16 tokens, 8 TTFT requests, one round, default and in-thread apps only")
     args = p.parse_args()
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.ttft_reps, args.stream_intervals = 16, 16, 8, []
+    rounds = 1 if args.quick else 2
     torch.set_num_threads(args.threads)
+    if args.serve_haproxy:
+        return serve_haproxy(args)
     prompts = workload(args.num_prompts, *args.prompt_len, seed=0)
     ttft_prompts = workload(args.ttft_reps + 2, *args.prompt_len, seed=1)
 
-    off_s, off_tok = offline_throughput(args, prompts)
-    eng_ttft = asyncio.run(engine_ttfts(args, ttft_prompts))
-    url = start_app(args)
-    try:
-        runs = [asyncio.run(http_throughput(url, prompts, args.max_tokens, stream, args.model))
-                for stream in (False, True, False, True)]
-        (whole_s, whole_tok, _), (http_s, http_tok, load_ttft) = min(runs[0::2]), min(runs[1::2])
-        serve_ttft, added, floor = asyncio.run(http_ttfts(url, ttft_prompts, args.model))
-    finally:
-        import ray
-        from ray import serve
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(args.temp_dir, ignore_errors=True)
-    again_s, again_tok = offline_throughput(args, prompts)
-    print(f"offline runs: {off_tok / off_s:.1f} and {again_tok / again_s:.1f} tok/s; the faster is the baseline")
-    off_s, off_tok = min((off_s, off_tok), (again_s, again_tok))
-
-    off_tps = off_tok / off_s
+    offline = {mode: [] for mode in (False, True)}
+    for mode in (False, True, True, False)[:2 * rounds]:
+        offline[mode].append(offline_throughput(args, prompts, mode))
     print(f"workload: {args.num_prompts} prompts x {args.prompt_len[0]}-{args.prompt_len[1]} tokens -> "
-          f"{args.max_tokens} tokens, greedy, ignore_eos; {args.threads} torch threads; model {args.model}; "
-          f"stream interval {args.stream_interval}s, {args.stream_chunks_per_s} chunks/s per replica")
-    print(f"offline engine      : {off_tok} tokens in {off_s:.2f}s = {off_tps:.1f} tok/s (best of 2; HTTP: best of 2)")
-    for name, t, n in (("whole", whole_s, whole_tok), ("stream", http_s, http_tok)):
-        print(f"HTTP {name:<15}: {n} tokens in {t:.2f}s = {n / t:.1f} tok/s  ({100 * n / t / off_tps:.1f}% of offline, "
-              f"target >= 85%)")
-    if load_ttft:
-        print(f"TTFT at saturation  : p50 {ms(load_ttft):.1f} ms  p90 {ms(load_ttft, 0.9):.1f} ms")
-    print(f"TTFT engine (in-proc): p50 {ms(eng_ttft):.2f} ms  p90 {ms(eng_ttft, 0.9):.2f} ms  (n={len(eng_ttft)})")
-    print(f"TTFT over HTTP      : p50 {ms(serve_ttft):.2f} ms  p90 {ms(serve_ttft, 0.9):.2f} ms  (n={len(serve_ttft)})")
-    print(f"Serve layer adds    : p50 {ms(added):.2f} ms  p90 {ms(added, 0.9):.2f} ms to TTFT (per request: HTTP TTFT "
-          f"minus the replica's own time to first deltas; target <= 10 ms p50)")
-    print(f"Ray Serve floor     : p50 {ms(floor):.2f} ms  p90 {ms(floor, 0.9):.2f} ms (bare proxy -> ingress -> "
-          f"streamed handle call -> SSE on this machine, interleaved with the requests above)")
+          f"{args.max_tokens} tokens, greedy, ignore_eos; {args.threads} torch threads; model {args.model}")
+    for mode, name in ((False, "core in this thread"), (True, "core in own process")):
+        runs = ", ".join(f"{n / t:.1f}" for t, n in offline[mode])
+        print(f"offline, {name}: {runs} tok/s" + (" (best kept)" if rounds > 1 else ""))
+    best = {mode: max(n / t for t, n in runs) for mode, runs in offline.items()}
+    off_tps = max(best.values())
+    print(f"offline core process / in-thread: {best[True] / best[False]:.3f}; baseline {off_tps:.1f} tok/s")
+
+    child = None
+    try:
+        url = start_apps(args)
+        if args.haproxy:
+            try:
+                child = start_haproxy_child(args)
+            except RuntimeError as e:
+                print(f"HAProxy variant not measured: {e}")
+        paths = {"today (core in replica thread)": "/inthread/", "default (core process)": "/",
+                 "single deployment": "/single/", **{f"stream_interval={k}": f"/si{k}/" for k in args.stream_intervals}}
+        paths = {k: v for k, v in paths.items() if v in apps_of(args)}
+        results: dict[tuple[str, bool], list] = {}
+        for _ in range(rounds):
+            for name, path in paths.items():
+                for stream in (False, True):
+                    r = asyncio.run(http_throughput(url, path, prompts, args.max_tokens, stream, args.model))
+                    key = (name, stream)
+                    if key not in results or r[1] / r[0] > results[key][1] / results[key][0]:
+                        results[key] = r
+        variants = {"today (in-thread core)": f"{url}/inthread/", "default (core process)": f"{url}/",
+                    "gRPC handle transport": f"{url}/grpc/", "single deployment": f"{url}/single/",
+                    "bare Serve app": f"{url}/floor/"}
+        variants = {k: v for k, v in variants.items() if v.removeprefix(url) in (*apps_of(args), "/floor/")}
+        if child is not None:
+            variants["HAProxy ingress"] = f"http://127.0.0.1:{args.port + 1}/"
+            variants["HAProxy bare Serve app"] = f"http://127.0.0.1:{args.port + 1}/floor/"
+        added = asyncio.run(http_ttfts(variants, ttft_prompts, args.model))
+    finally:
+        if child is not None:
+            child.stdin.close()
+            child.wait(timeout=120)
+        stop_ray(args)
+
+    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds}) vs offline "
+          f"{off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
+    for (name, stream), (t, n, load_ttft, gaps) in results.items():
+        line = f"  {name:<32} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"
+        if stream and gaps:
+            line += (f"  TTFT p50 {ms(load_ttft):6.1f} ms  ITL p50 {ms(gaps):5.1f} ms p99 {ms(gaps, 0.99):6.1f} ms "
+                     f"(p99/p50 {ms(gaps, 0.99) / ms(gaps):.2f})")
+        print(line)
+    print(f"TTFT added by the Serve layer (HTTP TTFT - replica's own first-delta time), {args.ttft_reps} requests "
+          f"per variant, interleaved:")
+    for name, xs in added.items():
+        print(f"  {name:<28}: p50 {ms(xs):6.2f} ms  p90 {ms(xs, 0.9):6.2f} ms")
 
 
 if __name__ == "__main__":

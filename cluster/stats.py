@@ -5,18 +5,16 @@ The replica id is `serve.get_replica_context().replica_id.unique_id` everywhere 
 """
 from dataclasses import asdict, dataclass, fields
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from engine import prefix_hash
-
-if TYPE_CHECKING:  # keeps engine (torch) out of the Serve controller, which imports the autoscaling policy
-    from engine.stats import EngineStats
+from engine.stats import EngineStats, KVUsage
 
 BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
-class ReplicaStats:
+class ReplicaStats(KVUsage):
     replica_id: str
     num_running: int = 0
     num_waiting: int = 0
@@ -44,22 +42,8 @@ class ReplicaStats:
         return cls(**kw)
 
     @classmethod
-    def from_engine(cls, replica_id: str, stats: "EngineStats") -> "ReplicaStats":
+    def from_engine(cls, replica_id: str, stats: EngineStats) -> "ReplicaStats":
         return cls.from_dict({**stats.to_dict(), "replica_id": replica_id})
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kv_blocks_used"] = self.kv_blocks_used
-        d["kv_cache_utilization"] = self.kv_cache_utilization
-        return d
-
-    @property
-    def kv_blocks_used(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_free
-
-    @property
-    def kv_cache_utilization(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     def waiting_blocks(self, block_size: int = BLOCK_SIZE) -> int:
         return num_blocks(self.num_waiting_tokens, block_size)

@@ -1,7 +1,7 @@
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -76,8 +76,10 @@ class AppArgs(BaseModel):
     worker_num_cpus: float = Field(1.0, gt=0)
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
-    stream_interval_s: float = Field(0.0, ge=0)
-    stream_chunks_per_s: float = Field(200.0, ge=0)
+    stream_interval: int = Field(4, ge=1)
+    engine_core_process: bool = True
+    topology: Literal["handle", "single"] = "handle"
+    handle_transport: Literal["by_reference", "grpc"] = "by_reference"
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
     api_key: str | None = Field(None, min_length=1, repr=False)
@@ -116,6 +118,8 @@ class AppArgs(BaseModel):
             check_fields("admission", AdmissionConfig, self.admission, ("block_size",))
         elif self.max_queue_time_s is not None:
             raise ValueError("max_queue_time_s: needs admission (it is off)")
+        if self.request_router is not None and self.topology == "single":
+            raise ValueError("request_router: must be null with topology: single (the proxy routes to the one deployment)")
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
@@ -175,14 +179,25 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: AppArgs) -> Application:
+    """topology "handle": Router -> (deployment handle, by reference or gRPC) -> LLMReplica; "single": one
+    deployment (deployments/server.py) holds both, no handle hop."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     push = args.stats_push_s if args.admission is not None else 0.0
-    replica = LLMReplica.options(**args.replica_options()).bind(args.engine_config(), args.torch_threads,
-                                                                   args.stream_interval_s, args.stream_chunks_per_s, push)
-    router = Router.options(num_replicas=args.router_replicas, ray_actor_options={"num_cpus": args.router_num_cpus})
-    return router.bind(replica, args.model, args.served_model_name, args.admission is not None, args.block_size,
-                       args.revision, args.template_text(), args.tool_call_parser,
-                       GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics))
+    replica_args = dict(engine_args=args.engine_config(), torch_threads=args.torch_threads,
+                        stream_interval=args.stream_interval, stats_push_s=push,
+                        engine_core_process=args.engine_core_process)
+    router_args = (args.model, args.served_model_name, args.admission is not None, args.block_size,
+                   args.revision, args.template_text(), args.tool_call_parser,
+                   GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics))
+    if args.topology == "single":
+        from deployments.server import LLMServer
+        server = serve.deployment(name="LLMServer", health_check_period_s=5)(LLMServer)
+        return server.options(**args.replica_options()).bind(replica_args, *router_args)
+    replica = LLMReplica.options(**args.replica_options()).bind(**replica_args)
+    env = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"} if args.handle_transport == "grpc" else {}
+    router = Router.options(num_replicas=args.router_replicas,
+                            ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": env}})
+    return router.bind(replica, *router_args)
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

@@ -1,6 +1,7 @@
 import asyncio
 import logging
 import time
+from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 import ray
@@ -21,16 +22,18 @@ log = logging.getLogger("ray.serve")
 
 @serve.deployment(name="LLMReplica", max_ongoing_requests=1024, health_check_period_s=5)
 class LLMReplica:
-    """Owns one AsyncEngine; streams small deltas per choice, aborts on cancellation; pushes its load to
-    the app's admission actor every `stats_push_s` (0: no admission) and at once on big changes."""
+    """Owns one AsyncEngine (its core in a child process unless engine_core_process=False); streams small
+    deltas per choice, one chunk per engine step at most, a stream's tokens batched by `stream_interval`;
+    aborts on cancellation; pushes its load to the app's admission actor every `stats_push_s` (0: no
+    admission) and at once on big changes."""
 
     async def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
-                       stream_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0,
-                       stats_push_s: float = 0.0) -> None:
-        self.stream_interval_s, self.stream_chunks_per_s, self.num_streams = stream_interval_s, stream_chunks_per_s, 0
+                       stream_interval: int = 1, stats_push_s: float = 0.0, engine_core_process: bool = True) -> None:
+        self.stream_interval = stream_interval
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(torch_threads or max(1, int(cpus)))
-        self.engine = AsyncEngine(EngineConfig(**engine_args))
+        config = EngineConfig(**engine_args)
+        self.engine = AsyncEngine(config, engine_core_process=engine_core_process and config.tensor_parallel_size == 1)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
@@ -70,8 +73,9 @@ class LLMReplica:
 
     def info(self) -> dict[str, Any]:
         return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "vocab_size": self.engine.vocab_size, "replica": self.replica_id,
-                "torch_threads": torch.get_num_threads()}
+                "vocab_size": self.engine.vocab_size, "replica": self.replica_id, "limits": asdict(self.engine.limits),
+                "torch_threads": torch.get_num_threads(),
+                "engine_core_pid": getattr(self.engine.engine.core, "core_pid", None)}
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats().to_dict()
@@ -86,11 +90,12 @@ class LLMReplica:
         self.engine.check_health()
 
     async def _pump(self, index: int, request_id: str, prompt: list[int], sp: SamplingParams, priority: int,
-                    queue: asyncio.Queue, clock: dict[str, float], cache_salt: str | None = None) -> None:
+                    queue: asyncio.Queue, clock: dict[str, float], interval: int, cache_salt: str | None) -> None:
         text_len, num_ids, finish = 0, 0, None
         try:
-            async for out in self.engine.generate(prompt_token_ids=prompt, sampling_params=sp,
-                                                  request_id=request_id, priority=priority, cache_salt=cache_salt):
+            async for out in self.engine.generate(prompt_token_ids=prompt, sampling_params=sp, request_id=request_id,
+                                                  priority=priority, cache_salt=cache_salt, stream_interval=interval,
+                                                  validated=True):
                 self.metrics.observe_output(out)
                 clock["arrival"] = min(clock.get("arrival", float("inf")), wall(out.metrics.arrival_time))
                 clock["output"] = wall(out.metrics.last_token_time) if out.metrics.last_token_time else time.time()
@@ -105,34 +110,24 @@ class LLMReplica:
         except Exception as e:
             queue.put_nowait(e)
 
-    def interval(self) -> float:
-        rate = self.num_streams / self.stream_chunks_per_s if self.stream_chunks_per_s else 0.0
-        return max(self.stream_interval_s, rate)
-
     async def generate(self, req: GenerateRequest, routing_hint: RoutingHint | None = None,
                        received_at: float | None = None) -> AsyncIterator[Chunk]:
-        """received_at: the router's time.time() at receipt, for the ingress share of serve_overhead."""
-        jobs = []
-        for p, prompt in enumerate(req.prompts):
-            for i in range(req.n):
-                kw = dict(req.sampling)
-                if kw.get("seed") is not None:
-                    kw["seed"] += i
-                sp = SamplingParams(**kw)
-                self.engine.validate(prompt, sp)
-                jobs.append((p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp))
+        """The router has validated `req` (engine.limits, with this replica's info()); received_at: the
+        router's time.time() at receipt, for the ingress share of serve_overhead."""
+        samples = SamplingParams(**{**req.sampling, "n": req.n}).fan_out()
+        jobs = [(p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp)
+                for p, prompt in enumerate(req.prompts) for i, sp in enumerate(samples)]
         queue: asyncio.Queue = asyncio.Queue()
         clock: dict[str, float] = {}
-        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock, req.cache_salt))
+        interval = self.stream_interval if req.stream else 1 << 30
+        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock, interval,
+                                                req.cache_salt))
                  for idx, rid, prompt, sp in jobs]
         live = {idx: rid for idx, rid, _, _ in jobs}
-        start, last, pending = time.perf_counter(), 0.0, []
-        self.num_streams += req.stream
+        start, first, pending = time.perf_counter(), True, []
         try:
             while live:
                 new = [await queue.get()]
-                if req.stream and last and (wait := last + self.interval() - time.perf_counter()) > 0:
-                    await asyncio.sleep(wait)
                 while not queue.empty():
                     new.append(queue.get_nowait())
                 for d in new:
@@ -143,7 +138,7 @@ class LLMReplica:
                 pending += new
                 if req.stream or not live:
                     chunk = Chunk(deltas=merge_deltas(pending), emitted_at=clock.get("output", time.time()))
-                    if not last:
+                    if first:
                         chunk.update(first_s=time.perf_counter() - start, replica=self.replica_id)
                         if received_at is not None and "arrival" in clock:
                             chunk.update(ingress_s=clock["arrival"] - received_at)
@@ -151,11 +146,9 @@ class LLMReplica:
                         chunk.update(replica=self.replica_id, stats=self.stats())
                         if not self.stats_push_s:
                             chunk.update(metrics=self.metrics.dump(self.engine.stats()))
-                    pending = []
+                    pending, first = [], False
                     yield chunk
-                    last = time.perf_counter()
         finally:
-            self.num_streams -= req.stream
             for t in tasks:
                 t.cancel()
             for rid in live.values():

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from cluster.admission import prometheus_text
 from cluster.admission_actor import AdmissionClient
@@ -26,6 +26,7 @@ from deployments.tool_parsers import TOOL_PARSERS
 from engine import SamplingParams
 from engine.chat_template import render_chat
 from engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
+from engine.limits import RequestLimits
 from engine.model_source import resolve_model
 from engine.sampling_params import StructuredParams
 
@@ -60,7 +61,7 @@ class Router:
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
         path = resolve_model(model, revision)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoTokenizer would import torch
         self.generation_defaults = load_generation_defaults(path)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
@@ -120,12 +121,10 @@ class Router:
     async def prepare(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                       where: str, structured: tuple[str, dict[str, Any]] | None = None) -> GenerateRequest:
         info = await self.info()
-        limit, vocab = info["max_model_len"], info["vocab_size"]
+        limit = info["max_model_len"]
         for ids in prompts:
             if not ids:
                 raise APIError(f"{where} must not be empty", param=where)
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(f"{where} contains token ids outside [0, {vocab})", param=where)
             need = len(ids) + (max_tokens or 1)
             if len(ids) >= limit or need > limit:
                 raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -142,9 +141,12 @@ class Router:
                 raise APIError(f"{field}: {e}", param=field) from None
             sampling["structured"] = fields
         try:
-            SamplingParams(**sampling)
+            sp, limits = SamplingParams(**sampling), RequestLimits(**info["limits"])
+            for ids in prompts:
+                limits.check(ids, sp)
         except (ValueError, TypeError) as e:
-            raise APIError(str(e), param=param_of(str(e))) from None
+            param = param_of(str(e))
+            raise APIError(str(e), param=where if param == "prompt" else param) from None
         return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
                                priority=req.priority, stream=req.stream, cache_salt=req.cache_salt)
 

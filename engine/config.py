@@ -57,6 +57,7 @@ class EngineConfig:
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
     cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
     seed: int = 0
+    model_runner_cls: str = "engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     model_path: str = field(default="", repr=False)
@@ -86,6 +87,8 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.model_runner_cls, str) or self.model_runner_cls.count(":") != 1:
+            _fail("model_runner_cls", f"must be 'module:Class', got {self.model_runner_cls!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.max_model_len_from_model = self.max_model_len is None

@@ -12,9 +12,10 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch loads only to write weights: the HTTP router resolves demo names without it
+    import torch
 
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -30,7 +31,7 @@ CHAT_TEMPLATE = (
 )
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_SUFFIXES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -193,6 +194,7 @@ def init_std(name: str, shape: tuple[int, ...]) -> float:
 
 
 def make_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
+    import torch
     seed = int.from_bytes(hashlib.sha256(
         f"{spec.seed}/{spec.arch}/{spec.size}/{spec.tied}".encode()).digest()[:8], "little") >> 1
     g = torch.Generator().manual_seed(seed)
@@ -200,7 +202,7 @@ def make_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
     for name, shape in weight_shapes(spec):
         w = torch.randn(shape, generator=g, dtype=torch.float32)
         w = 1 + NORM_STD * w if len(shape) == 1 and not name.endswith("bias") else w * init_std(name, shape)
-        out[name] = w.to(DTYPES[spec.dtype]).contiguous()
+        out[name] = w.to(getattr(torch, spec.dtype)).contiguous()
     return out
 
 
@@ -216,6 +218,7 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
              "generation_config.json": _json(gen)}
     for fname, text in files.items():
         (out / fname).write_text(text, "utf-8")
+    from safetensors.torch import save_file
     save_file(make_weights(spec), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

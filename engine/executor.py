@@ -1,8 +1,25 @@
 """Runs a SchedulerOutput on the model. TP=1 runs in this process; TP>1 drives Ray workers."""
-from typing import Protocol
+import importlib
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+
+def runner_class(config: EngineConfig) -> type["ModelRunner"]:
+    """EngineConfig.model_runner_cls, imported in whichever process builds the runner (core, TP worker)."""
+    module, _, name = config.model_runner_cls.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def allocate_kv_cache(runner: "ModelRunner", num_blocks: int) -> int:
+    """Allocates the runner's KV cache (and its CPU swap space); returns the number of swap slots."""
+    runner.allocate_kv_cache(num_blocks)
+    cpu = runner.cpu_cache
+    return cpu.shape[2] if cpu.dim() > 2 else 0
 
 
 class Executor(Protocol):
@@ -18,11 +35,9 @@ class Executor(Protocol):
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        from engine.model_runner import ModelRunner
-        self.runner = ModelRunner(config)
+        self.runner = runner_class(config)(config)
         self.num_blocks = self.runner.available_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
-        self.num_swap_blocks = self.runner.cpu_cache.shape[2] if self.runner.cpu_cache.dim() > 2 else 0
+        self.num_swap_blocks = allocate_kv_cache(self.runner, self.num_blocks)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)

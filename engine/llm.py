@@ -1,6 +1,5 @@
 """Offline batch generation, vLLM-compatible in shape: LLM(model).generate(prompts, params)."""
 import itertools
-from dataclasses import fields
 
 from tqdm import tqdm
 
@@ -14,8 +13,9 @@ Prompt = str | dict
 
 
 class LLM:
-    def __init__(self, model: str = "demo:tiny", **options: object) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+    def __init__(self, model: str = "demo:tiny", engine_core_process: bool = False, **options: object) -> None:
+        """engine_core_process: run the scheduler/model loop in a process of its own (detokenising here)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **options), engine_core_process=engine_core_process)
         self.engine.stream_outputs = False
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -59,11 +59,10 @@ class LLM:
             requests.append((text, ids, p))
         order: dict[str, tuple[int, int]] = {}
         for i, ((text, ids, p), prio, salt) in enumerate(zip(requests, priority, salts)):
-            for j in range(p.n):
+            for j, sub in enumerate(p.fan_out()):
                 rid = str(next(self._ids))
                 order[rid] = (i, j)
-                sub = p if p.n == 1 else _sub_params(p, j)
-                self.engine.add_request(rid, ids, sub, priority=prio, prompt=text, cache_salt=salt)
+                self.engine.add_request(rid, ids, sub, priority=prio, prompt=text, cache_salt=salt, validated=True)
         return self._run(order, len(prompts), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -97,8 +96,6 @@ class LLM:
         bar.close()
         return results
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
-def _sub_params(p: SamplingParams, j: int) -> SamplingParams:
-    kwargs = {f.name: getattr(p, f.name) for f in fields(p) if f.init}
-    kwargs.update(n=1, seed=None if p.seed is None else p.seed + j)
-    return SamplingParams(**kwargs)

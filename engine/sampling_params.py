@@ -1,5 +1,5 @@
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -134,3 +134,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def fan_out(self) -> list["SamplingParams"]:
+        """The n one-sample requests that n > 1 runs as; sample j gets seed + j, so seeded samples differ."""
+        if self.n == 1:
+            return [self]
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return [SamplingParams(**{**kwargs, "n": 1, "seed": None if self.seed is None else self.seed + j})
+                for j in range(self.n)]

@@ -4,8 +4,26 @@ import time
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class KVUsage:
+    """Derived load of anything with kv_blocks_total / kv_blocks_free (EngineStats, cluster's ReplicaStats)."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kv_blocks_used": self.kv_blocks_used, "kv_cache_utilization": self.kv_cache_utilization}
+
+
 @dataclass
-class EngineStats:
+class EngineStats(KVUsage):
     """A snapshot of one engine's load, cheap to copy across process boundaries."""
 
     num_running: int = 0
@@ -29,16 +47,3 @@ class EngineStats:
     iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)
 
-    @property
-    def kv_blocks_used(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_free
-
-    @property
-    def kv_cache_utilization(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["kv_blocks_used"] = self.kv_blocks_used
-        d["kv_cache_utilization"] = self.kv_cache_utilization
-        return d

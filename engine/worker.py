@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 
 from engine.config import EngineConfig
+from engine.executor import allocate_kv_cache, runner_class
 
 HEADER = struct.Struct("<Q")
 
@@ -102,16 +103,13 @@ class Worker:
             torch.cuda.set_device(0)
         dist.init_process_group("nccl" if self.cuda else "gloo", store=self.store, rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
-        from engine.model_runner import ModelRunner
-        self.runner = ModelRunner(config)
+        self.runner = runner_class(config)(config)
         info = self.info()
         info.num_blocks = self.runner.available_blocks()
         return info
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
-        self.runner.allocate_kv_cache(num_blocks)
-        cpu = self.runner.cpu_cache
-        return cpu.shape[2] if cpu.dim() > 2 else 0
+        return allocate_kv_cache(self.runner, num_blocks)
 
     def execute_model(self, so: object) -> object:
         return self.runner.execute_model(so)

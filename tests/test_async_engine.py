@@ -5,9 +5,9 @@ import pytest
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine() -> AsyncEngine:
-    e = AsyncEngine(EngineConfig(model="demo:llama-tiny", num_blocks=64))
+@pytest.fixture(scope="module", params=[False, True], ids=["in-thread", "core-process"])
+def engine(request: pytest.FixtureRequest) -> AsyncEngine:
+    e = AsyncEngine(EngineConfig(model="demo:llama-tiny", num_blocks=64), engine_core_process=request.param)
     yield e
     e.shutdown()
 

@@ -250,3 +250,40 @@ def test_tensor_parallel_replica(server: App, offline: object) -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
     finally:
         serve.delete("tp")
+
+
+def test_single_deployment_topology(server: SimpleNamespace, offline: object) -> None:
+    """Router and replica in one deployment (no handle hop): same greedy text, streams, health."""
+    from deployments.app import AppArgs, build_app
+    from engine import SamplingParams
+    args = AppArgs(engine=ENGINE, topology="single", request_router=None, admission=None, replica_num_cpus=0.5,
+                   torch_threads=1)
+    serve.run(build_app(args), name="single", route_prefix="/single")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        r = server.http.post("/single/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
+        with server.http.stream("POST", "/single/v1/completions", json={**body, "stream": True}) as resp:
+            events = sse_events(resp)
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want.outputs[0].text
+        assert server.http.get("/single/health").status_code == 200
+    finally:
+        serve.delete("single")
+
+
+def test_engine_core_crash_fails_the_stream_and_the_health_check(server: SimpleNamespace) -> None:
+    """Last in the module: the replica is replaced afterwards."""
+    import os
+    pid = server.replica.info.remote().result()["engine_core_pid"]
+    assert pid is not None, "the replica runs its engine core in a process of its own by default"
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "stream": True,
+                                                            "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and "engine" in rest[-2] and "died" in rest[-2]
+    health = server.http.get("/health")
+    assert health.status_code == 503 and "died" in health.json()["error"]["message"]

@@ -1,0 +1,195 @@
+"""The engine core: scheduler + KV cache + grammars + executor and the busy loop over them (schedule ->
+execute -> update). It reports token ids only; text, stop strings and streams are the front end's
+(llm_engine.py, output_processor.py). Runs in the front end's thread or in its own process (core_process.py)."""
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.executor import make_executor
+from engine.kv_events import KVEvents
+from engine.messages import AddRequest, CoreOutput
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+from engine.step import SchedulerOutput
+from engine.step_trace import StepTrace
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputManager
+
+log = logging.getLogger("conveyor")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int],
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        self.config = config
+        self.executor = make_executor(config)
+        if self.executor.num_blocks < 1:
+            raise ValueError("EngineConfig.kv_cache_memory leaves no room for a single KV block")
+        config.fit_max_model_len(self.executor.num_blocks)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, self.executor.num_swap_blocks)
+        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids)
+        self.scheduler.runner_batch = getattr(getattr(self.executor, "runner", None), "batch", None)
+        self.tokenizer = tokenizer
+        self._structured: "StructuredOutputManager | None" = None
+        self.compiling: dict[str, tuple[Sequence, Future]] = {}
+        self.reported: dict[str, int] = {}
+        self.num_finished = self.num_aborted = 0
+        self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
+        self.step_trace = StepTrace()
+
+    @property
+    def structured(self) -> "StructuredOutputManager":
+        """Built on the first constrained request: engine.structured_output imports xgrammar. Grammars live
+        here, beside the sampler that applies their masks."""
+        if self._structured is None:
+            from engine.structured_output import StructuredOutputManager
+            if self.tokenizer is None:
+                from transformers import AutoTokenizer
+                self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+            self._structured = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
+                                                       sorted(self.scheduler.eos_token_ids))
+        return self._structured
+
+    def add_request(self, req: AddRequest) -> None:
+        rid = req.request_id
+        if rid in self.scheduler.requests or rid in self.compiling:
+            raise ValueError(f"request_id {rid!r} is already running")
+        seq = Sequence(rid, list(req.prompt_token_ids), req.params, priority=req.priority, cache_salt=req.cache_salt)
+        if req.arrival_time is not None:
+            seq.arrival_time = req.arrival_time
+        if req.params.structured is not None:
+            self.compiling[rid] = (seq, self.structured.compile(req.params.structured))
+        else:
+            self.scheduler.add(seq)
+        self.reported[rid] = 0
+
+    def finish_requests(self, request_ids: list[str], reason: str = "abort",
+                        stop_reasons: list[str | None] | None = None) -> list[CoreOutput]:
+        """Abort, or finish with a stop string the front end found; a static batch may keep the slot."""
+        outputs = []
+        for rid, stop in zip(request_ids, stop_reasons or [None] * len(request_ids)):
+            seq = self.scheduler.requests.get(rid) or self.compiling.pop(rid, (None, None))[0]
+            if seq is None:
+                continue
+            self.scheduler.finish(seq, reason, stop)
+            if seq.is_finished:
+                outputs.append(self._output(seq, {}))
+        return outputs
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self.compiling)
+
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Requests whose grammar is compiled join the scheduler; the rest wait here, so a slow compile holds
+        up only its own request (and the loop sleeps on it only when there is nothing else to run)."""
+        if not self.scheduler.has_unfinished:
+            wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed = []
+        for rid, (seq, fut) in list(self.compiling.items()):
+            if not fut.done():
+                continue
+            del self.compiling[rid]
+            if fut.exception() is not None:
+                log.warning("request %s: grammar compilation failed: %r", rid, fut.exception())
+                self.scheduler.finish(seq, "abort")
+                failed.append(self._output(seq, {}))
+                continue
+            self.structured.add(rid, fut.result())
+            self.scheduler.add(seq)
+        return failed
+
+    def step(self) -> list[CoreOutput]:
+        start = time.perf_counter()
+        failed = self._admit_compiled() if self.compiling else []
+        so = self.scheduler.schedule()
+        if self._structured is not None and self._structured.matchers:
+            so.grammar = self._structured.bitmask([c.req_id for c in so.chunks if c.sample])
+        try:
+            ro = self.executor.execute_model(so)
+        except Exception as e:
+            return failed + self._fail_step(so, e)
+        self.step_trace.record(so, self.scheduler, self.block_manager, start)
+        now = time.monotonic()
+        changed = self.scheduler.update(so, ro, now)
+        self.busy_time_s += time.perf_counter() - start
+        self.num_decode_tokens += len(ro.token_ids)
+        self.num_prefill_tokens += so.num_tokens - len(ro.token_ids)
+        if so.grammar is not None:
+            for rid in self._structured.accept(ro.req_ids, ro.token_ids):
+                seq = self.scheduler.requests.get(rid)
+                if seq is not None and seq.held_finish is None:
+                    self.scheduler.finish(seq, "stop")
+        logprobs = dict(zip(ro.req_ids, ro.logprobs)) if any(x is not None for x in ro.logprobs) else {}
+        return failed + [self._output(seq, logprobs, now) for seq in changed]
+
+    def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[CoreOutput]:
+        """A model step that raised fails the requests it ran (and, if it swapped, the swapped ones, whose
+        copies never happened); the blocks its chunks published are taken back, since their KV was never
+        written. A broken executor (a lost TP rank) raises from check_health and ends the core instead."""
+        log.exception("engine step failed; failing its %d requests", len(so.chunks))
+        self.executor.check_health()
+        message = f"model step failed: {error!r}"
+        victims = [self.scheduler.requests.get(c.req_id) for c in so.chunks]
+        for c, seq in zip(so.chunks, victims):
+            if seq is not None:
+                seq.num_computed_tokens -= len(c.token_ids)
+        if so.swap_out:
+            victims += self.scheduler.swapped
+        outputs = []
+        for seq in dict.fromkeys(s for s in victims if s is not None):
+            self.scheduler.finish(seq, "error", message, hold=False)
+            outputs.append(self._output(seq, {}))
+        return outputs
+
+    def _output(self, seq: Sequence, logprobs: dict, now: float | None = None) -> CoreOutput:
+        rid = seq.request_id
+        start = self.reported.get(rid, 0)
+        new = seq.token_ids[seq.num_prompt_tokens + start:]
+        lp = [logprobs.get(rid)] if new and seq.params.logprobs is not None else None
+        if seq.is_finished:
+            self.reported.pop(rid, None)
+            self.num_finished += 1
+            self.num_aborted += seq.finish_reason == "abort"
+            if self._structured is not None:
+                self._structured.release(rid)
+        else:
+            self.reported[rid] = start + len(new)
+        return CoreOutput(rid, new, lp, seq.finish_reason, seq.stop_reason, seq.first_scheduled_time,
+                          seq.first_token_time, now if seq.first_token_time else None, seq.finish_time,
+                          seq.num_preemptions, seq.num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(self.compiling),
+            num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting)
+            + sum(q.num_tokens for q, _ in self.compiling.values()),
+            num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
+            num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
+            num_finished=self.num_finished, num_aborted=self.num_aborted, max_num_seqs=self.config.max_num_seqs,
+            busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
+            tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64])
+
+    def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
+        return self.block_manager.drain_kv_events(max_events)
+
+    def request_kv_reset(self) -> None:
+        self.block_manager.request_kv_reset()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
+        self.executor.shutdown()

@@ -1,0 +1,47 @@
+"""The serving-path app arguments: topology, handle transport, engine core process, stream_interval; the
+router's light imports."""
+import subprocess
+import sys
+
+import pytest
+
+from deployments.app import AppArgs, build_app
+
+
+@pytest.mark.parametrize("args, field", [
+    ({"topology": "single"}, "request_router"),
+    ({"topology": "two"}, "topology"),
+    ({"handle_transport": "http"}, "handle_transport"),
+    ({"stream_interval": 0}, "stream_interval"),
+    ({"stream_interval_s": 0.01}, "stream_interval_s"),
+])
+def test_bad_serving_args_name_the_field(args: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        AppArgs(**args)
+
+
+def test_topologies_build_the_deployments_they_name() -> None:
+    default = build_app(AppArgs())
+    replica = default._bound_deployment.init_args[0]
+    assert default._bound_deployment.name == "Router" and replica._bound_deployment.name == "LLMReplica"
+    assert replica._bound_deployment.init_kwargs["engine_core_process"] is True
+    assert replica._bound_deployment.init_kwargs["stream_interval"] == 4
+    grpc = build_app(AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2))
+    env = grpc._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert env == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+    kwargs = grpc._bound_deployment.init_args[0]._bound_deployment.init_kwargs
+    assert kwargs["engine_core_process"] is False and kwargs["stream_interval"] == 2
+    single = build_app(AppArgs(topology="single", request_router=None))
+    assert single._bound_deployment.name == "LLMServer"
+    assert single._bound_deployment.init_args[0]["engine_core_process"] is True
+
+
+def test_the_http_router_imports_no_torch() -> None:
+    """The light edge: the router (and the request types, limits and tokenizer it uses) loads without torch."""
+    code = ("import sys, deployments.router as r; from engine.model_source import resolve_model; "
+            "t = r.PreTrainedTokenizerFast.from_pretrained(resolve_model('demo:tiny')); t('hi'); "
+            "r.RequestLimits(8192, 64, 16, 4).check(t('hi').input_ids, r.SamplingParams(max_tokens=4)); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels') "
+            "or m.startswith(('engine.models', 'engine.model_runner', 'engine.layers'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
