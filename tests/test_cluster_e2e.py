@@ -115,7 +115,7 @@ def test_burst_gets_429_or_waits_in_queue_and_every_admitted_request_completes(c
 
 
 class Load:
-    """`n` clients in a thread, each sending long greedy completions back to back; a 429 waits Retry-After.
+    """`n` clients in a thread, each sending long greedy completions back to back; a 429/503 waits Retry-After.
     An exception in the thread fails the test at `__exit__`."""
 
     def __init__(self, url: str, n: int, prompt_len: int, max_tokens: int) -> None:
@@ -136,7 +136,7 @@ class Load:
             r = await http.post("/v1/completions", json={"prompt": tokens(rng, self.prompt_len), "ignore_eos": True,
                                                          "max_tokens": self.max_tokens})
             self.codes.append(r.status_code)
-            if r.status_code == 429:
+            if r.status_code in (429, 503):  # a refusal must say when to come back (KeyError fails the test)
                 await asyncio.sleep(float(r.headers["retry-after"]))
 
     async def run(self) -> None:
@@ -173,7 +173,8 @@ def test_kv_pressure_scales_1_to_2_and_idle_back_to_1(cluster: SimpleNamespace) 
             eventually(lambda: running_replicas("scale") == 2, 120, "scale up to 2 replicas under KV pressure")
             eventually(lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 2, 20,
                        "the new replica reports to admission")
-        assert load.codes.count(200) >= 1 and set(load.codes) <= {200, 429}
+        # 503 + Retry-After is a clean refusal too: while a replica starts, admission may see stale stats
+        assert load.codes.count(200) >= 1 and set(load.codes) <= {200, 429, 503}, load.codes
         eventually(lambda: running_replicas("scale") == 1, 90, "scale back to 1 replica when idle")
         eventually(lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 1, 15,
                    "the stopped replica's stats are dropped")

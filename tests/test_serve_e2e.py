@@ -252,7 +252,7 @@ def test_tensor_parallel_replica(server: App, offline: object) -> None:
         serve.delete("tp")
 
 
-def test_single_deployment_topology(server: SimpleNamespace, offline: object) -> None:
+def test_single_deployment_topology(server: App, offline: object) -> None:
     """Router and replica in one deployment (no handle hop): same greedy text, streams, health."""
     from deployments.app import AppArgs, build_app
     from engine import SamplingParams
@@ -272,7 +272,7 @@ def test_single_deployment_topology(server: SimpleNamespace, offline: object) ->
         serve.delete("single")
 
 
-def test_engine_core_crash_fails_the_stream_and_the_health_check(server: SimpleNamespace) -> None:
+def test_engine_core_crash_fails_the_stream_and_the_health_check(server: App) -> None:
     """Last in the module: the replica is replaced afterwards."""
     import os
     pid = server.replica.info.remote().result()["engine_core_pid"]
