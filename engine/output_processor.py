@@ -23,8 +23,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    """stream_outputs False (offline generate): process() hands out finished requests only; every delta is
-    still detokenised as it comes, so stop strings end requests as early as when streaming."""
+    """stream_outputs False (offline generate; set before requests are added): process() hands out finished
+    requests only. A request with stop strings is still detokenised delta by delta, so they end it as early
+    as when streaming; the others are decoded once, when they finish."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -40,7 +41,8 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.requests[request_id] = RequestState(prompt, prompt_token_ids, params,
-                                                 IncrementalDetokenizer(self.tokenizer, params), arrival_time)
+                                                 IncrementalDetokenizer(self.tokenizer, params, deferred=not self.stream_outputs),
+                                                 arrival_time)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         st = self.requests.pop(request_id, None)
@@ -60,12 +62,10 @@ class OutputProcessor:
             if st is None:
                 continue
             st.last, stop = out, None
-            for i, token in enumerate(out.new_token_ids):
-                if out.new_logprobs is not None and st.params.logprobs is not None:
-                    st.logprobs.append(out.new_logprobs[i] if i < len(out.new_logprobs) else None)
-                stop = st.detok.add(token, len(st.detok.token_ids) + 1)
-                if stop is not None:
-                    break
+            if st.detok.deferred and st.params.logprobs is None:
+                st.detok.token_ids += out.new_token_ids
+            else:
+                stop = self._add_tokens(st, out)
             if stop is not None and out.finish_reason is None:
                 out.finish_reason, out.stop_reason, out.finish_time = "stop", stop, time.monotonic()
                 stops.append((out.request_id, stop))
@@ -77,6 +77,17 @@ class OutputProcessor:
                 continue
             results.append(self._output(out.request_id, st, out))
         return results, stops
+
+    @staticmethod
+    def _add_tokens(st: RequestState, out: CoreOutput) -> str | None:
+        """Returns the stop string the new text ends with, if any (the tokens after it are dropped)."""
+        for i, token in enumerate(out.new_token_ids):
+            if out.new_logprobs is not None and st.params.logprobs is not None:
+                st.logprobs.append(out.new_logprobs[i] if i < len(out.new_logprobs) else None)
+            stop = st.detok.add(token, len(st.detok.token_ids) + 1)
+            if stop is not None:
+                return stop
+        return None
 
     @staticmethod
     def _output(rid: str, st: RequestState, out: CoreOutput) -> RequestOutput:
