@@ -134,6 +134,16 @@ class BlockManager:
             self._register(seq, table, (computed + num_new_tokens) // self.block_size)
         return [b.block_id for b in added]
 
+    def allocate_decode(self, seq: Sequence) -> list[int] | None:
+        """allocate(seq, 1) for a running request, with the common case (its last block has room) kept short."""
+        table = self.tables[seq.request_id]
+        computed = seq.num_computed_tokens + 1
+        if computed > len(table) * self.block_size:
+            return self.allocate(seq, 1)
+        if self.caching and computed % self.block_size == 0:
+            self._register(seq, table, computed // self.block_size)
+        return []
+
     def _register(self, seq: Sequence, table: list[Block], num_full: int) -> None:
         """Publishes the blocks this step's chunk fills, so requests admitted in the same step share them
         (each layer stores every token's K/V before any attention reads). free() takes back the ones

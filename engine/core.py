@@ -1,6 +1,7 @@
 """The engine core: scheduler + KV cache + grammars + executor and the busy loop over them (schedule ->
 execute -> update). It reports token ids only; text, stop strings and streams are the front end's
 (llm_engine.py, output_processor.py). Runs in the front end's thread or in its own process (core_process.py)."""
+import gc
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -14,7 +15,7 @@ from engine.executor import make_executor
 from engine.kv_events import KVEvents
 from engine.messages import AddRequest, CoreOutput
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
 from engine.step import SchedulerOutput
 from engine.step_trace import StepTrace
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputManager
 
 log = logging.getLogger("conveyor")
+
+
+def freeze_startup_heap() -> None:
+    """Moves everything alive after start-up (torch, transformers, the model: ~300k objects) out of the
+    collector's reach, as vLLM's EngineCore does (gc.freeze). Measured with the null model at 256 sequences:
+    each full collection scanned them for 0.14-0.8 s, about once per 200 steps."""
+    gc.collect()
+    gc.freeze()
 
 
 class EngineCore:
@@ -44,6 +53,7 @@ class EngineCore:
         self.num_finished = self.num_aborted = 0
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
         self.step_trace = StepTrace()
+        freeze_startup_heap()
 
     @property
     def structured(self) -> "StructuredOutputManager":
@@ -153,9 +163,9 @@ class EngineCore:
     def _output(self, seq: Sequence, logprobs: dict, now: float | None = None) -> CoreOutput:
         rid = seq.request_id
         start = self.reported.get(rid, 0)
-        new = seq.token_ids[seq.num_prompt_tokens + start:]
+        new = seq.token_ids[len(seq.prompt_token_ids) + start:]
         lp = [logprobs.get(rid)] if new and seq.params.logprobs is not None else None
-        if seq.is_finished:
+        if seq.status is SequenceStatus.FINISHED:
             self.reported.pop(rid, None)
             self.num_finished += 1
             self.num_aborted += seq.finish_reason == "abort"

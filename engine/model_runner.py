@@ -2,6 +2,8 @@
 import logging
 import os
 from dataclasses import dataclass
+from itertools import chain, compress
+from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
@@ -19,6 +21,13 @@ from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, Sched
 from kernels import attention_ops
 
 log = logging.getLogger("conveyor")
+
+
+def _is_prefill(c: ScheduledChunk) -> bool:
+    return len(c.token_ids) > 1
+
+
+_req_id, _token_ids, _start, _sample = (attrgetter(f) for f in ("req_id", "token_ids", "start", "sample"))
 
 
 @dataclass
@@ -60,6 +69,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.batch = PersistentBatch(-(-config.max_model_len // config.block_size), self.vocab_size)
         self.special: set[str] = set()  # requests the sampler must treat one by one (penalties, seeds, ...)
+        self.biased: set[str] = set()  # requests with a logit_bias
         self.kv_cache = torch.empty(0)
         self.cpu_cache = torch.empty(0)
 
@@ -123,6 +133,8 @@ class ModelRunner:
         p = r.params
         if p.has_penalties or gen is not None or p.logprobs is not None or (p.min_tokens and r.stop_ids_for_min_tokens):
             self.special.add(r.req_id)
+        if p.logit_bias:
+            self.biased.add(r.req_id)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -130,28 +142,32 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.batch.remove(rid)
             self.special.discard(rid)
+            self.biased.discard(rid)
         for r in so.new_requests:
             self._add_request(r)
         self.swap_blocks(so.swap_out, to_cpu=True)
         self.swap_blocks(so.swap_in, to_cpu=False)
         if not so.chunks:
             return ModelRunnerOutput([], [], []) if self.rank == 0 else None
-        chunks = sorted(so.chunks, key=lambda c: len(c.token_ids) > 1)
+        chunks = sorted(so.chunks, key=_is_prefill)
         for c in chunks:
             if c.new_block_ids or c.reset_blocks:
                 self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
-        input_ids, positions, meta, sample_idx = self._prepare(chunks)
-        sampled = [c.req_id for c in chunks if c.sample]
+        input_ids, positions, meta, sample_idx, rows, sampled = self._prepare(chunks)
         batch = None
         if self.rank == 0:
-            batch = add_constraints(self._sampling_batch(sampled), [self.requests[r].params for r in sampled],
-                                    sampled, so.grammar, self.device)
+            batch = self._sampling_batch(sampled, rows)
+            if self.biased or so.grammar is not None:
+                batch = add_constraints(batch, [self.requests[r].params for r in sampled], sampled, so.grammar,
+                                        self.device)
         tokens, logprobs = self._run(input_ids, positions, meta, sample_idx, batch)
         if self.rank != 0:
             return None
         tokens = tokens.tolist()
-        for rid, tok in zip(sampled, tokens):
-            self.requests[rid].output_token_ids.append(tok)
+        if self.special:
+            for rid, tok in zip(sampled, tokens):
+                if rid in self.special:
+                    self.requests[rid].output_token_ids.append(tok)
         return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -160,47 +176,58 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_idx])
         return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
-    def _prepare(self, chunks: list[ScheduledChunk]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.block_size
-        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
-        starts = np.array([c.start for c in chunks], dtype=np.int64)
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                              torch.Tensor, np.ndarray, list[str]]:
+        """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled chunks."""
+        bs, n = self.block_size, len(chunks)
+        req_ids = list(map(_req_id, chunks))
+        token_ids = list(map(_token_ids, chunks))
+        q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
+        starts = np.fromiter(map(_start, chunks), dtype=np.int64, count=n)
+        sample = np.fromiter(map(_sample, chunks), dtype=bool, count=n)
         seq_lens = starts + q_lens
-        block_tables = self.batch.block_tables(self.batch.index([c.req_id for c in chunks]))
-        cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+        rows = self.batch.index(req_ids)
+        block_tables = self.batch.block_tables(rows)
+        cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
-        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
-        positions = np.arange(cu[-1]) - cu[:-1][seq_of_token] + starts[seq_of_token]
-        slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(cu[-1]))
-        sample_idx = np.array([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.sample], dtype=np.int64)
-        nd = int((q_lens == 1).sum())
+        nd = int((q_lens == 1).sum())  # one-token chunks (decodes) come first
+        if nd == n:
+            positions = starts
+            input_ids = np.fromiter(map(itemgetter(0), token_ids), dtype=np.int64, count=n)
+            slots = block_tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
+        else:
+            seq_of_token = np.repeat(np.arange(n), q_lens)
+            positions = np.arange(cu[-1]) - cu[:-1][seq_of_token] + starts[seq_of_token]
+            slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            input_ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
+        sample_idx = cu[1:][sample] - 1
+        sampled = req_ids if sample.all() else list(compress(req_ids, sample))
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
         pre_cu = cu[nd:] - cu[nd]
+        seq_lens32 = seq_lens.astype(np.int32)
         meta = AttentionMetadata(
             slot_mapping=t(slots), num_decodes=nd,
-            decode_block_tables=t(block_tables[:nd]), decode_seq_lens=t(seq_lens[:nd].astype(np.int32)),
+            decode_block_tables=t(block_tables[:nd]), decode_seq_lens=t(seq_lens32[:nd]),
             decode_max_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-            prefill_block_tables=t(block_tables[nd:]), prefill_seq_lens=t(seq_lens[nd:].astype(np.int32)),
+            prefill_block_tables=t(block_tables[nd:]), prefill_seq_lens=t(seq_lens32[nd:]),
             prefill_query_start_loc=t(pre_cu.astype(np.int32)),
-            prefill_max_query_len=int(q_lens[nd:].max()) if nd < len(chunks) else 0,
-            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < len(chunks) else 0,
-            block_tables=t(block_tables), seq_lens=t(seq_lens.astype(np.int32)), query_start_loc=t(cu.astype(np.int32)))
-        return t(input_ids), t(positions), meta, t(sample_idx)
+            prefill_max_query_len=int(q_lens[nd:].max()) if nd < n else 0,
+            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < n else 0,
+            block_tables=t(block_tables), seq_lens=t(seq_lens32), query_start_loc=t(cu.astype(np.int32)))
+        return t(input_ids), t(positions), meta, t(sample_idx), rows[sample], sampled
 
-    def _sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
-        rows = self.batch.index(req_ids)
+    def _sampling_batch(self, req_ids: list[str], rows: np.ndarray) -> SamplingBatch:
         dev, n, b = self.device, len(req_ids), self.batch
 
         def col(values: np.ndarray, off: float) -> torch.Tensor | None:
             return torch.from_numpy(values).to(dev) if (values != off).any() else None
 
         temperature, top_k = b.temperature[rows], b.top_k[rows]
-        special = [(i, self.requests[r]) for i, r in enumerate(req_ids) if r in self.special]
+        special = [(i, self.requests[r]) for i, r in enumerate(req_ids) if r in self.special] if self.special else []
         penalties = [(i, s) for i, s in special if s.params.has_penalties]
         pen: dict[str, torch.Tensor | None] = dict.fromkeys(
             ("output_counts", "prompt_mask", "repetition_penalty", "frequency_penalty", "presence_penalty"))

@@ -45,7 +45,7 @@ class PersistentBatch:
         self.num_blocks[row] = start + len(block_ids)
 
     def index(self, req_ids: list[str]) -> np.ndarray:
-        return np.fromiter((self.rows[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        return np.fromiter(map(self.rows.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), width of the longest] block ids; entries past a row's end are stale but valid ids."""

@@ -2,6 +2,7 @@
 min(num_tokens - num_computed_tokens, budget left, chunk cap) tokens: prefill, chunked prefill,
 decode and recompute after preemption are the same rule."""
 import time
+from operator import attrgetter
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -12,8 +13,7 @@ from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, Sched
 from engine.watermark import Watermark
 
 
-def _run_order(seq: Sequence) -> tuple:
-    return seq.priority, seq.arrival_time
+_run_order = attrgetter("priority", "arrival_time")
 
 
 class Scheduler:
@@ -32,6 +32,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.runner_batch: PersistentBatch | None = None  # the model runner's, in process: checked with the tables
+        self.now = 0.0
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -64,6 +65,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
+        self.now = time.monotonic()
         out = SchedulerOutput(finished_req_ids=self.finished_for_runner)
         self.finished_for_runner = []
         chunks: dict[str, ScheduledChunk] = {}
@@ -76,28 +78,29 @@ class Scheduler:
         if not preempted:
             budget, partials = self._admit(out, chunks, budget, partials)
         self._schedule_running(held, out, chunks, budget, partials, may_preempt=False)
-        now = time.monotonic()
-        for c in chunks.values():
-            seq = self.requests[c.req_id]
-            seq.num_computed_tokens += len(c.token_ids)
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
         out.chunks = list(chunks.values())
         return out
 
     def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk],
                           budget: int, partials: int, may_preempt: bool = True) -> tuple[int, int, bool]:
-        preempted = False
+        preempted, kv, running = False, self.kv, SequenceStatus.RUNNING
         for seq in seqs:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            left = len(seq.token_ids) - seq.num_computed_tokens
+            computed = seq.num_computed_tokens
+            left = len(seq.token_ids) - computed
+            if left == 1 and budget > 0 and seq.held_finish is None and (ids := kv.allocate_decode(seq)) is not None:
+                chunks[seq.request_id] = ScheduledChunk(seq.request_id, seq.token_ids[-1:], computed, ids, False, True)
+                seq.num_computed_tokens = computed + 1
+                budget -= 1
+                continue
             n = 1 if left == 1 and budget > 0 else self._chunk(seq, budget, partials)
             if n == 0 or (seq.held_finish is not None and seq.num_tokens >= self.config.max_model_len):
                 continue
             while (ids := self.kv.allocate(seq, n)) is None and may_preempt:
                 victim = max(self.running, key=self._victim_key)
                 if (dropped := chunks.pop(victim.request_id, None)) is not None:
+                    victim.num_computed_tokens -= len(dropped.token_ids)
                     budget += len(dropped.token_ids)
                     partials -= len(dropped.token_ids) < victim.num_tokens - dropped.start
                 self._preempt(victim, out)
@@ -106,9 +109,9 @@ class Scheduler:
                     break
             if ids is None:
                 continue
+            partials += n < seq.num_tokens - seq.num_computed_tokens
             chunks[seq.request_id] = self._make_chunk(seq, n, ids, reset=False)
             budget -= n
-            partials += n < seq.num_tokens - seq.num_computed_tokens
         return budget, partials, preempted
 
     def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
@@ -174,7 +177,11 @@ class Scheduler:
         chunks[seq.request_id] = self._make_chunk(seq, n, self.kv.block_ids(seq), reset=True)
 
     def _make_chunk(self, seq: Sequence, n: int, block_ids: list[int], reset: bool) -> ScheduledChunk:
+        """The chunk's tokens count as computed from here on; a chunk dropped by a preemption gives them back."""
         start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + n
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.now
         return ScheduledChunk(seq.request_id, seq.token_ids[start:start + n], start, block_ids, reset,
                               sample=start + n == seq.num_tokens)
 
@@ -198,22 +205,27 @@ class Scheduler:
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
         """Append sampled tokens, finish sequences that stop; returns the sequences that changed."""
         changed = []
+        requests, running, eos, max_len = self.requests, SequenceStatus.RUNNING, self.eos_token_ids, self.config.max_model_len
         for rid, token in zip(ro.req_ids, ro.token_ids):
-            seq = self.requests.get(rid)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            seq = requests.get(rid)
+            if seq is None or seq.status is not running:
                 continue
-            seq.token_ids.append(token)
+            tokens = seq.token_ids
+            tokens.append(token)
             if seq.held_finish is not None:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._check_stop(seq, token)
+            p = seq.params
+            if (token in eos or token in p.stop_token_ids or len(tokens) >= max_len
+                    or len(tokens) - len(seq.prompt_token_ids) >= p.max_tokens):
+                self._check_stop(seq, token)
             changed.append(seq)
         self._release_static_batch()
         released, self.released = self.released, []
         if self.config.check_invariants:
             check_invariants(self, self.runner_batch)
-        return list(dict.fromkeys(changed + released))
+        return list(dict.fromkeys(changed + released)) if released else changed
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p, num_tokens = seq.params, len(seq.token_ids)

@@ -31,7 +31,7 @@ def sequence_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor | None:
     runner._add_request(NewRequestData("probe", ids, SamplingParams(), []))
     runner.batch.set_blocks("probe", blocks, append=False)
     with torch.inference_mode():
-        input_ids, positions, meta, _ = runner._prepare([ScheduledChunk("probe", ids, 0, blocks, True, True)])
+        input_ids, positions, meta, *_ = runner._prepare([ScheduledChunk("probe", ids, 0, blocks, True, True)])
         logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
     runner.requests.pop("probe")
     runner.batch.remove("probe")
