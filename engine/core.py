@@ -1,7 +1,6 @@
 """The engine core: scheduler + KV cache + grammars + executor and the busy loop over them (schedule ->
 execute -> update). It reports token ids only; text, stop strings and streams are the front end's
 (llm_engine.py, output_processor.py). Runs in the front end's thread or in its own process (core_process.py)."""
-import gc
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -26,14 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor")
 
 
-def freeze_startup_heap() -> None:
-    """Moves everything alive after start-up (torch, transformers, the model: ~300k objects) out of the
-    collector's reach, as vLLM's EngineCore does (gc.freeze). Measured with the null model at 256 sequences:
-    each full collection scanned them for 0.14-0.8 s, about once per 200 steps."""
-    gc.collect()
-    gc.freeze()
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int],
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -53,7 +44,6 @@ class EngineCore:
         self.num_finished = self.num_aborted = 0
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
         self.step_trace = StepTrace()
-        freeze_startup_heap()
 
     @property
     def structured(self) -> "StructuredOutputManager":

@@ -6,6 +6,7 @@ import time
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.heap import freeze_startup_heap
 from engine.core_client import InprocClient, MPClient
 from engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from engine.kv_events import KVEvents
@@ -38,6 +39,7 @@ class LLMEngine:
         self.num_blocks = self.core.num_blocks
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
         self.processor = OutputProcessor(self.tokenizer)
+        freeze_startup_heap()
 
     @property
     def in_process(self) -> bool:
