@@ -18,10 +18,11 @@ log = logging.getLogger("ray.serve")
 
 class DrainSignal:
     """A named actor the launcher owns (so it dies with the launcher). Routers long-poll `wait`; `start`
-    releases them all with the drain timeout; each router reports once it has no request left."""
+    releases them all with the drain timeout, `expire` ends the drain early (a second signal); each router
+    reports once it has no request left."""
 
     def __init__(self) -> None:
-        self.started = asyncio.Event()
+        self.started, self.expired = asyncio.Event(), asyncio.Event()
         self.timeout_s = 0.0
         self.watchers: set[str] = set()
         self.reports: dict[str, dict[str, int]] = {}
@@ -36,6 +37,12 @@ class DrainSignal:
         self.started.set()
         return len(self.watchers)
 
+    async def expire(self) -> None:
+        self.expired.set()
+
+    async def wait_expired(self) -> None:
+        await self.expired.wait()
+
     async def drained(self, router_id: str, report: dict[str, int]) -> None:
         self.reports[router_id] = report
 
@@ -49,7 +56,7 @@ class Drain:
     are empty. Without a DrainSignal actor (plain `serve run`) nothing here ever turns on."""
 
     def __init__(self) -> None:
-        self.draining = self.expired = False
+        self.draining = self.expired = self.forced = False
         self.timeout_s = self.deadline = 0.0
         self.active = 0
         self.live: set[Any] = set()
@@ -94,8 +101,13 @@ class Drain:
                         code="shutting_down", retry_after_s=left)
 
     def timeout_error(self) -> APIError:
-        return APIError(f"the server shut down before this request finished (drain timeout {self.timeout_s:g}s)",
+        why = "ended early by a second shutdown signal" if self.forced else f"timeout {self.timeout_s:g}s"
+        return APIError(f"the server shut down before this request finished (drain {why})",
                         status=503, type="service_unavailable", code="drain_timeout")
+
+    @staticmethod
+    async def wait_expired(signal: Any) -> None:
+        await signal.wait_expired.remote()
 
     async def run(self, signal: Any, router_id: str) -> None:
         try:
@@ -107,11 +119,15 @@ class Drain:
         self.in_flight_at_start = self.in_flight()
         log.info("draining: refusing new requests; %d in flight, timeout %gs", self.in_flight_at_start, self.timeout_s)
         self.check()
-        try:
-            await asyncio.wait_for(self.idle.wait(), self.timeout_s)
-        except asyncio.TimeoutError:
+        idle, early = asyncio.ensure_future(self.idle.wait()), asyncio.ensure_future(self.wait_expired(signal))
+        await asyncio.wait({idle, early}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        self.forced = early.done() and not idle.done()
+        early.cancel()
+        if not idle.done():
+            idle.cancel()
             self.expired, self.ended_by_timeout = True, self.in_flight()
-            log.warning("drain timeout: ending %d requests with an error", self.ended_by_timeout)
+            log.warning("drain %s: ending %d requests with an error", "forced" if self.forced else "timeout",
+                        self.ended_by_timeout)
             for gen in list(self.live):
                 gen.cancel()
             try:

@@ -2,8 +2,8 @@
 `serve run` does (Ray Serve's own ServeDeploySchema and deploy path), and on SIGINT or SIGTERM drains before
 shutting Serve down: the routers refuse new requests (503 `shutting_down` + Retry-After), the requests in flight
 finish, anything still running at `--drain-timeout` ends with an explicit error (503 `drain_timeout`, or an SSE
-error event then [DONE]); then Serve shuts down and the process exits 0. A second signal shuts down at once
-(in-flight requests are cut) and exits 1."""
+error event then [DONE]); then Serve shuts down and the process exits 0. A second signal ends what is still in
+flight at once, with the same explicit errors, then shuts down and exits 1."""
 import argparse
 import os
 import signal
@@ -53,7 +53,11 @@ def drain(actor: Any, timeout_s: float, grace_s: float = 15.0) -> dict[str, Any]
     watchers = ray.get(actor.start.remote(timeout_s))
     print(f"draining: {watchers} router(s) refuse new requests; in-flight requests get up to {timeout_s:g}s",
           flush=True)
-    deadline = time.monotonic() + timeout_s + grace_s
+    return reports(actor, timeout_s + grace_s)
+
+
+def reports(actor: Any, within_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + within_s
     while True:
         progress = ray.get(actor.progress.remote())
         if set(progress["reports"]) >= set(progress["watchers"]) or time.monotonic() > deadline:
@@ -67,7 +71,7 @@ def summary(progress: dict[str, Any]) -> str:
     missing = len(set(progress["watchers"]) - set(progress["reports"]))
     return (f"drained: {total['in_flight_at_start']} request(s) in flight at the signal, "
             f"{total['in_flight_at_start'] - total['ended_by_timeout']} finished, {total['ended_by_timeout']} ended "
-            f"by the drain timeout, {total['left']} left; {len(progress['reports'])} router(s) reported"
+            f"with an error at the drain's end, {total['left']} left; {len(progress['reports'])} router(s) reported"
             + (f", {missing} did not" if missing else ""))
 
 
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print(f"got {signal.Signals(signum).name}: draining (a second one shuts down at once)", flush=True)
+        print(f"got {signal.Signals(signum).name}: draining (a second one ends the drain at once)", flush=True)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -111,21 +115,26 @@ def main(argv: list[str] | None = None) -> int:
         ray.get(actor.progress.remote())
         deploy(config)
         print(f"deployed {', '.join(a.name for a in config.applications)} from {args.config}; Ctrl-C (or SIGTERM) "
-              f"drains for up to {args.drain_timeout:g}s, a second Ctrl-C shuts down at once", flush=True)
+              f"drains for up to {args.drain_timeout:g}s, a second Ctrl-C ends it at once", flush=True)
         while not stop.wait(1.0):
             pass
         print(summary(drain(actor, args.drain_timeout)), flush=True)
         for line in pool_report():
             print(line, flush=True)
+        code = 0
     except KeyboardInterrupt:
-        print("second signal: shutting down now, requests still in flight are cut", flush=True)
-        serve.shutdown()
-        return 1
+        print("second signal: ending the requests still in flight now", flush=True)
+        code = 1
+        try:
+            ray.get(actor.expire.remote(), timeout=5)
+            print(summary(reports(actor, 5.0)), flush=True)
+        except (KeyboardInterrupt, ray.exceptions.GetTimeoutError):
+            pass
     print("shutting down Serve", flush=True)
     serve.shutdown()
     ray.kill(actor)
     print("Serve shut down", flush=True)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -462,7 +462,7 @@ def test_launcher_drains_on_sigint(cluster: SimpleNamespace, tmp_path: Path) -> 
             error = (r.events[-2] if r.stream else r.json)["error"]
             assert "drain timeout" in error["message"], error
             assert error["code"] == (503 if r.stream else "drain_timeout"), error
-        assert "drained: 8 request(s) in flight at the signal, 6 finished, 2 ended by the drain timeout, 0 left" \
+        assert "drained: 8 request(s) in flight at the signal, 6 finished, 2 ended with an error at the drain's end, 0 left" \
             in out.text, out.text[-3000:]
         assert "every KV pool whole, nothing running or waiting" in out.text, out.text[-3000:]
         eventually(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
