@@ -1,7 +1,9 @@
 """Graceful drain, started by the launcher (deployments/launch.py) on SIGINT/SIGTERM: every Router refuses new
 requests with 503 + Retry-After, lets the ones in flight finish, ends whatever is left at the drain timeout with
 an explicit error, and reports back; only then does the launcher shut Serve down. Ray Serve 2.60's own
-`serve.shutdown()` kills the HTTP proxy in the same controller tick as the replicas, so it cannot drain."""
+`serve.shutdown()` kills the HTTP proxy in the same controller tick as the replicas, so it cannot drain;
+`serve.delete(app)` lets in-flight requests finish (up to graceful_shutdown_timeout_s) but drops the app's route
+at once, so a new request gets the proxy's plain-text 404 (measured), not a refusal a client can act on."""
 import asyncio
 import logging
 import time
