@@ -16,6 +16,7 @@ from cluster.admission import prometheus_text
 from cluster.admission_actor import AdmissionClient
 from cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from cluster.stats import block_hashes, num_blocks
+from deployments.drain import Drain
 from deployments.http_guard import GuardConfig, HTTPGuard
 from deployments.metrics import ResponseCounter, RouterMetrics
 from deployments.protocol import (
@@ -71,6 +72,8 @@ class Router:
         except Exception:
             router_id = "local"
         self.metrics = RouterMetrics(self.model_name, router_id)
+        self.drain = Drain()
+        self.drain.watch(router_id)
         self._metrics_actor: Any = None
         self._info: dict[str, Any] | None = None
         self.block_size = block_size
@@ -181,6 +184,7 @@ class Router:
     async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
         gen = self.streaming.generate.remote(gen_req, routing_hint=hint, received_at=received_at)
         done = False
+        self.drain.track(gen)
         try:
             async for chunk in gen:
                 if "ingress_s" in chunk:
@@ -189,7 +193,12 @@ class Router:
                     self.metrics.sources[chunk["replica"]] = chunk["metrics"]
                 yield chunk
             done = True
+        except Exception:
+            if self.drain.expired:
+                raise self.drain.timeout_error() from None
+            raise
         finally:
+            self.drain.untrack(gen)
             if not done:
                 gen.cancel()
 
@@ -202,6 +211,8 @@ class Router:
         except Exception as e:
             await stream.aclose()
             e = cause(e)
+            if isinstance(e, APIError):
+                raise e from None
             if isinstance(e, ValueError):
                 raise APIError(str(e), param=param_of(str(e))) from None
             if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
@@ -230,6 +241,8 @@ class Router:
                     self.metrics.serve_overhead(replica, "egress", time.time() - chunk.get("emitted_at", time.time()))
                 if usage:
                     yield builder.usage_chunk()
+            except APIError as e:
+                yield sse_error(str(e), e.type, e.status)
             except Exception as e:
                 yield sse_error(f"engine error: {cause(e)}")
             finally:
@@ -241,6 +254,9 @@ class Router:
 
     async def handle(self, endpoint: str, req: SamplingRequest) -> Response:
         start = time.perf_counter()
+        if self.drain.draining:
+            return error_response(self.drain.refusal())
+        self.drain.enter()
         try:
             self.check_model(req.model)
             structured, parser = req.structured(), None
@@ -263,6 +279,8 @@ class Router:
             return error_response(e)
         except Exception as e:
             return error_response(APIError(f"internal error: {cause(e)}", status=500, type="internal_error"))
+        finally:
+            self.drain.leave()
 
     def chat_prompt(self, req: ChatCompletionRequest, structured: tuple[str, dict[str, Any]] | None
                     ) -> tuple[list[list[int]], tuple[str, dict[str, Any]] | None, Any]:
@@ -297,6 +315,8 @@ class Router:
 
     @app.get("/health")
     async def health(self) -> Response:
+        if self.drain.draining:
+            return error_response(self.drain.refusal())
         try:
             await asyncio.wait_for(self.replica.check_health.remote(), timeout=10)
         except Exception as e:

@@ -5,24 +5,47 @@ import asyncio
 import inspect
 from typing import Any, AsyncIterator
 
+from ray.serve.exceptions import RequestCancelledError
+
 from deployments.replica import LLMReplica
 from deployments.router import Router
 
 
 class LocalStream:
-    """What `handle.options(stream=True).method.remote()` returns, over a local async generator."""
+    """What `handle.options(stream=True).method.remote()` returns, over a local async generator. As a Serve
+    stream does, `cancel()` ends a read in progress with RequestCancelledError (the drain timeout relies on it);
+    the generator's own `finally` runs first."""
 
     def __init__(self, gen: AsyncIterator[Any]) -> None:
         self.gen = gen
+        self.reader: asyncio.Task | None = None
+        self.cancelled = False
 
     def __aiter__(self) -> "LocalStream":
         return self
 
     async def __anext__(self) -> Any:
-        return await self.gen.__anext__()
+        if self.cancelled:
+            raise RequestCancelledError("local stream")
+        self.reader = asyncio.current_task()
+        try:
+            return await self.gen.__anext__()
+        except asyncio.CancelledError:
+            if not self.cancelled:
+                raise
+            getattr(self.reader, "uncancel", lambda: None)()
+            raise RequestCancelledError("local stream") from None
+        finally:
+            self.reader = None
 
     def cancel(self) -> None:
-        asyncio.get_running_loop().create_task(self.gen.aclose())
+        if self.cancelled:
+            return
+        self.cancelled = True
+        if self.reader is not None:
+            self.reader.cancel()
+        else:
+            asyncio.get_running_loop().create_task(self.gen.aclose())
 
 
 class LocalMethod:
