@@ -128,7 +128,7 @@ class EngineCore:
                 seq = self.scheduler.requests.get(rid)
                 if seq is not None and seq.held_finish is None:
                     self.scheduler.finish(seq, "stop")
-        logprobs = dict(zip(ro.req_ids, ro.logprobs)) if any(x is not None for x in ro.logprobs) else {}
+        logprobs = dict(zip(ro.req_ids, ro.logprobs)) if ro.logprobs.count(None) < len(ro.logprobs) else {}
         return failed + [self._output(seq, logprobs, now) for seq in changed]
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[CoreOutput]:

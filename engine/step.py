@@ -1,5 +1,6 @@
 """The small data objects that cross between scheduler, executor and model runner each step."""
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
@@ -35,9 +36,10 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     grammar: "GrammarBitmask | None" = None
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        """Read once the chunks are final (after schedule())."""
+        return sum(map(len, [c.token_ids for c in self.chunks]))
 
 
 @dataclass
