@@ -26,10 +26,10 @@ class RequestFailed(RuntimeError):
 
 
 class Stream:
-    __slots__ = ("loop", "queue", "interval", "sent")
+    __slots__ = ("loop", "queue")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval: int) -> None:
-        self.loop, self.queue, self.interval, self.sent = loop, asyncio.Queue(), interval, 0
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue = loop, asyncio.Queue()
 
 
 class AsyncEngine:
@@ -80,15 +80,16 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        stream = self._streams[rid] = Stream(asyncio.get_running_loop(), max(1, stream_interval))
+        stream = self._streams[rid] = Stream(asyncio.get_running_loop())
+        interval = max(1, stream_interval)
         finished = False
         try:
             if self.in_process:
-                self._inbox.put(("add", rid, prompt_token_ids, sampling_params, priority, cache_salt))
+                self._inbox.put(("add", rid, prompt_token_ids, sampling_params, priority, cache_salt, interval))
             else:
                 with self._lock:
                     self.engine.add_request(rid, prompt_token_ids, sampling_params, priority=priority,
-                                            cache_salt=cache_salt, validated=True)
+                                            cache_salt=cache_salt, validated=True, output_interval=interval)
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -117,15 +118,8 @@ class AsyncEngine:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            if isinstance(item, RequestOutput):
-                c = item.outputs[0]
-                if c.finish_reason == "error":
-                    item = RequestFailed(c.stop_reason)
-                elif not item.finished and (not c.token_ids or stream.sent
-                                            and len(c.token_ids) - stream.sent < stream.interval):
-                    continue
-                else:
-                    stream.sent = len(c.token_ids)
+            if isinstance(item, RequestOutput) and item.outputs[0].finish_reason == "error":
+                item = RequestFailed(item.outputs[0].stop_reason)
             batches.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in batches.items():
             try:
@@ -135,11 +129,12 @@ class AsyncEngine:
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, ids, params, priority, salt = command
+            _, rid, ids, params, priority, salt, interval = command
             if rid not in self._streams:
                 return
             try:
-                self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, validated=True)
+                self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, validated=True,
+                                        output_interval=interval)
             except ValueError as e:
                 self._deliver([(rid, e)])
         elif command[0] == "abort":

@@ -68,12 +68,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None, validated: bool = False) -> None:
-        """validated: the caller (LLM.generate, AsyncEngine.generate) has checked the request already."""
+                    cache_salt: str | None = None, validated: bool = False, output_interval: int = 1) -> None:
+        """validated: the caller (LLM.generate, AsyncEngine.generate) has checked the request already.
+        output_interval: a streamed request's tokens per output (OutputProcessor.add)."""
         if not validated:
             self.validate(prompt_token_ids, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.processor.add(request_id, prompt, list(prompt_token_ids), params, arrival_time)
+        self.processor.add(request_id, prompt, list(prompt_token_ids), params, arrival_time, output_interval)
         try:
             self.core.add_request(AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time,
                                              cache_salt))

@@ -18,8 +18,10 @@ class RequestState:
     params: SamplingParams
     detok: IncrementalDetokenizer
     arrival_time: float
+    interval: int = 1
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     last: CoreOutput | None = None
+    sent: int = 0
 
 
 class OutputProcessor:
@@ -37,12 +39,14 @@ class OutputProcessor:
         return bool(self.requests)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> None:
+            arrival_time: float, output_interval: int = 1) -> None:
+        """output_interval: while streaming, a request's first token comes out at once, then an output whenever
+        it has that many new tokens, and its finish (vLLM's stream_interval)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.requests[request_id] = RequestState(prompt, prompt_token_ids, params,
-                                                 IncrementalDetokenizer(self.tokenizer, params, deferred=not self.stream_outputs),
-                                                 arrival_time)
+        detok = IncrementalDetokenizer(self.tokenizer, params, deferred=not self.stream_outputs)
+        self.requests[request_id] = RequestState(prompt, prompt_token_ids, params, detok, arrival_time,
+                                                 max(1, output_interval))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         st = self.requests.pop(request_id, None)
@@ -75,6 +79,11 @@ class OutputProcessor:
                 self.requests.pop(out.request_id)
             elif not self.stream_outputs:
                 continue
+            else:
+                n = len(st.detok.token_ids)
+                if not n or (st.sent and n - st.sent < st.interval):
+                    continue
+                st.sent = n
             results.append(self._output(out.request_id, st, out))
         return results, stops
 
