@@ -14,9 +14,24 @@ from dataclasses import asdict, dataclass, field
 import math
 from typing import Any, Iterable, Sequence
 
+from cluster.hot_blocks import HotBlocks
 from cluster.kv_index import KVIndex
+from cluster import placement
 from cluster.queue_time import queue_time_s, retry_after_s
 from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats
+
+def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
+    """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)
+    times the measured prefix-cache miss ratio."""
+    return math.ceil(stats.num_waiting_tokens * rates.miss_ratio / block_size)
+
+
+def demand(stats: ReplicaStats, rates: Rates, block_size: int) -> float:
+    """KV demand / capacity, as `ReplicaStats.pressure` but with `waiting_blocks`: what the watermarks compare."""
+    if not stats.kv_blocks_total:
+        return 1.0
+    return (stats.kv_blocks_used + waiting_blocks(stats, rates, block_size)) / stats.kv_blocks_total
+
 
 @dataclass(frozen=True)
 class Watermarks:
@@ -47,6 +62,9 @@ class AdmissionConfig:
     affinity_weight: float = 1.0
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
+    placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
+    hot_window_s: float = 10.0
+    hot_fraction: float = 0.8
 
     def __post_init__(self) -> None:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
@@ -55,6 +73,7 @@ class AdmissionConfig:
         assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
         assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
         assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
+        assert self.hot_window_s > 0.0 and 0.0 < self.hot_fraction <= 1.0, "hot_window_s > 0, 0 < hot_fraction <= 1"
 
     @property
     def watermarks(self) -> Watermarks:
@@ -101,17 +120,17 @@ class AdmissionController:
         self.inflight: list[Reservation] = []  # sent to the actor, not yet in a snapshot (router side)
         self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
         self.kv = KVIndex()
+        self.hot = HotBlocks(self.config.hot_window_s)
 
     def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
         """Takes a stats push (and its KV events); True when the replica must list its KV keys (reset)."""
-        prev = self.replicas.get(stats.replica_id)
+        prev, bs = self.replicas.get(stats.replica_id), self.config.block_size
         if prev is not None and stats.timestamp < prev.stats.timestamp:
             return False
-        saturated = self.config.watermarks.saturated(
-            prev.saturated if prev else False, stats.pressure(self.config.block_size))
+        rates = prev.rates.update(prev.stats, stats, self.config.rate_window_s) if prev else Rates()
+        saturated = self.config.watermarks.saturated(prev.saturated if prev else False, demand(stats, rates, bs))
         if self.config.saturate_on_preemption and prev and stats.num_preemptions > prev.stats.num_preemptions:
             saturated = True
-        rates = prev.rates.update(prev.stats, stats, self.config.rate_window_s) if prev else Rates()
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
         self._settle(stats.replica_id)
         if kv_events is None:
@@ -133,6 +152,7 @@ class AdmissionController:
         self.replicas.pop(replica_id, None)
         self._reserved.pop(replica_id, None)
         self.kv.forget(replica_id)
+        self.hot.forget(replica_id)
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         keep = set(replica_ids)
@@ -163,9 +183,9 @@ class AdmissionController:
                 entry.shared_requests + k * sum(r.requests for r in own))
 
     def room(self, replica_id: str) -> int:
-        stats, bs = self.replicas[replica_id].stats, self.config.block_size
-        growth = -(-sum(stats.tokens_left) // bs) if self.config.count_output_blocks else 0
-        return stats.room_blocks(bs) - self.reserved(replica_id)[0] - growth
+        e, bs = self.replicas[replica_id], self.config.block_size
+        growth = -(-sum(e.stats.tokens_left) // bs) if self.config.count_output_blocks else 0
+        return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
 
     def pending_keys(self, replica_id: str) -> set[bytes]:
         keys = set(self.replicas[replica_id].shared_keys)
@@ -215,6 +235,7 @@ class AdmissionController:
             self._reserved.setdefault(replica_id, []).append(
                 Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
             self._settle(replica_id)
+            self.hot.record(replica_id, keys, now)
 
     def take_reservations(self) -> list[Reservation]:
         """Router side: this process's reservations, to send to the actor; counted as in flight until the
@@ -251,7 +272,9 @@ class AdmissionController:
         if not open_:
             return Decision(False, [], retry, "saturated")
         grow = output_blocks if self.config.count_output_blocks else 0
-        need = {rid: max(0, num_prompt_blocks - self.shared_blocks(rid, keys)) + grow for rid in open_}
+        cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}
+        need = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys))) + grow
+                for rid in open_}
         fits = [rid for rid in open_ if self.room(rid) >= min(need[rid], self.replicas[rid].stats.kv_blocks_total)]
         if not fits:
             return Decision(False, [], retry, "no_room")
@@ -263,9 +286,27 @@ class AdmissionController:
             if not fits:
                 return Decision(False, [], retry_after_s(best, limit, retry), "queue_time",
                                 queue_time_s=best)
-        cached = {rid: c for rid in fits if (c := self.cached_blocks(rid, keys)) is not None}
-        fits.sort(key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid))
-        return Decision(True, fits, 0.0, "ok", cached, wait[fits[0]], need[fits[0]])
+        fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
+        return Decision(True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]],
+                        need[fits[0]])
+
+    def rank(self, rids: list[str], keys: Sequence[bytes], prompt_blocks: int, cached: dict[str, int],
+             wait: dict[str, float], now: float) -> list[str]:
+        """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured (the
+        others are assumed as fast as those measured), else by the KV-aware router's score."""
+        rates = [r for rid in rids if (r := self.replicas[rid].rates.prefill_tokens_per_s) > 0]
+        if not self.config.placement or not rates:
+            return sorted(rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid),
+                                                 rid))
+        default = sum(rates) / len(rates)
+        options = []
+        for rid in rids:
+            e = self.replicas[rid]
+            options.append(placement.Option(
+                rid, cached.get(rid, self.shared_blocks(rid, keys)), wait[rid] / self.config.queue_time_safety,
+                e.rates.prefill_tokens_per_s or default, self.hot.count(rid, now, keys), e.stats.kv_blocks_total,
+                e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1]))
+        return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         rows = []
@@ -312,6 +353,7 @@ class AdmissionController:
         The snapshot's reservations become shared ones (they include this process's in-flight ones); own
         reservations not sent yet are kept. A snapshot's "kv" part (`kv_snapshot`) updates the KV index."""
         self.config = AdmissionConfig(**snapshot["config"])
+        self.hot.window_s = self.config.hot_window_s
         kv = snapshot.get("kv") or {}
         pending = kv.get("pending", {})
         self.replicas = {r["replica_id"]: ReplicaEntry(

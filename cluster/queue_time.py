@@ -5,7 +5,8 @@ Two bottlenecks, whichever is worse: batch slots (a request beyond the replica's
 enough running requests have finished: the k-th slot frees when the running request with the k-th fewest
 tokens left is done, at the measured steps per second; beyond those, at the measured finish rate; slots
 are `max_num_seqs`, or fewer when the KV cache holds fewer requests the size of the running ones) and prefill (the prompt
-tokens queued ahead drain at the measured prefill rate). Requests admitted but not yet in the stats count
+tokens queued ahead drain at the measured prefill rate; the engine counts a queued prompt's cached tokens
+too, so those are scaled by the measured prefix-cache miss ratio). Requests admitted but not yet in the stats count
 as queued. With a queue but no measured finish rate the wait is unknown: infinite, so a cold replica takes
 what its free slots hold and no more.
 """
@@ -30,7 +31,7 @@ def queue_time_s(stats: ReplicaStats, rates: Rates, extra_requests: int = 0, ext
         slot_wait = left[-1] / rates.steps_per_s + (over - len(left)) / rates.finished_per_s
     else:
         slot_wait = over / rates.finished_per_s if rates.finished_per_s > 0 else math.inf
-    tokens = stats.num_waiting_tokens + extra_tokens
+    tokens = stats.num_waiting_tokens * rates.miss_ratio + extra_tokens
     prefill_wait = tokens / rates.prefill_tokens_per_s if rates.prefill_tokens_per_s > 0 and tokens > 0 else 0.0
     return max(slot_wait, prefill_wait)
 

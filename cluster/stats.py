@@ -82,6 +82,13 @@ class Rates:
     decode_tokens: float = 0.0
     finished: float = 0.0
     steps: float = 0.0
+    prompt_tokens: float = 0.0  # prefix-cache queries (prompt tokens scheduled), decayed like the rest
+    missed_tokens: float = 0.0  # of those, not found in the prefix cache
+
+    @property
+    def miss_ratio(self) -> float:
+        """Share of queued prompt tokens that will really be computed (1 until measured)."""
+        return self.missed_tokens / self.prompt_tokens if self.prompt_tokens > 0 else 1.0
 
     def update(self, prev: ReplicaStats, cur: ReplicaStats, window_s: float = 4.0) -> "Rates":
         busy = cur.busy_time_s - prev.busy_time_s
@@ -93,7 +100,10 @@ class Rates:
         d = self.decode_tokens * keep + max(0, cur.num_decode_tokens - prev.num_decode_tokens)
         f = self.finished * keep + max(0, cur.num_finished - prev.num_finished)
         n = self.steps * keep + max(0, cur.num_steps - prev.num_steps)
-        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n)
+        q = max(0, cur.prefix_cache_queries - prev.prefix_cache_queries)
+        m = max(0, q - max(0, cur.prefix_cache_hits - prev.prefix_cache_hits))
+        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n, self.prompt_tokens * keep + q,
+                     self.missed_tokens * keep + m)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
