@@ -292,19 +292,21 @@ class AdmissionController:
 
     def rank(self, rids: list[str], keys: Sequence[bytes], prompt_blocks: int, cached: dict[str, int],
              wait: dict[str, float], now: float) -> list[str]:
-        """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured (the
-        others are assumed as fast as those measured), else by the KV-aware router's score."""
-        rates = [r for rid in rids if (r := self.replicas[rid].rates.prefill_tokens_per_s) > 0]
-        if not self.config.placement or not rates:
+        """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured, else
+        by the KV-aware router's score. One pooled rate for all: replicas of one deployment run one model, and
+        their own rates differ mostly by how much of their busy time went to decoding."""
+        measured = [self.replicas[rid].rates for rid in rids]
+        busy = sum(r.busy_s for r in measured if r.prefill_tokens > 0)
+        if not self.config.placement or busy <= 0:
             return sorted(rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid),
                                                  rid))
-        default = sum(rates) / len(rates)
+        rate = sum(r.prefill_tokens for r in measured if r.prefill_tokens > 0) / busy
         options = []
         for rid in rids:
             e = self.replicas[rid]
             options.append(placement.Option(
                 rid, cached.get(rid, self.shared_blocks(rid, keys)), wait[rid] / self.config.queue_time_safety,
-                e.rates.prefill_tokens_per_s or default, self.hot.count(rid, now, keys), e.stats.kv_blocks_total,
+                rate, self.hot.count(rid, now, keys), e.stats.kv_blocks_total,
                 e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1]))
         return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
 

@@ -35,6 +35,8 @@ def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float =
 
 
 def rank(options: Sequence[Option], prompt_blocks: int, block_size: int, hot_fraction: float = 0.8) -> list[str]:
-    """Replica ids, cheapest first; ties by load, then fewer hot blocks."""
-    return [o.replica_id for o in sorted(options, key=lambda o: (cost_s(o, prompt_blocks, block_size, hot_fraction),
-                                                                 o.load, o.hot_blocks, o.replica_id))]
+    """Replica ids, cheapest first; ties (a prompt no replica holds, queues alike) by the share of the cache
+    hot blocks fill, so new prefixes spread by capacity before they evict anything, then by load."""
+    return [o.replica_id for o in sorted(options, key=lambda o: (
+        cost_s(o, prompt_blocks, block_size, hot_fraction), o.hot_blocks / max(1, o.capacity_blocks), o.load,
+        o.replica_id))]
