@@ -49,14 +49,19 @@ def make_round(args: argparse.Namespace, seed: int) -> list[list[int]]:
     return [rng.choice(systems) + rand_tokens(rng, rng.randint(*args.user_len)) for _ in range(args.requests)]
 
 
-def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, replicas: int = 2, block_size: int = 16) -> float:
-    """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests)."""
+def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, max_tokens: int, replicas: int = 2,
+                    block_size: int = 16) -> float:
+    """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests). As
+    in the engine, the full blocks of its output are cached too (keys no other request has); unlike it, no
+    block is ever pinned by a running request, so the oracle's caches hold more: an upper bound."""
     from engine.prefix_hash import block_hashes
     caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
-    sent, hits, queries = [0] * replicas, 0, 0
+    sent, hits, queries, served = [0] * replicas, 0, 0, 0
     for prompts in rounds:
         for p in prompts:
+            served += 1
             keys = block_hashes(p, block_size)
+            tail = [(served, i) for i in range((len(p) + max_tokens) // block_size - len(keys))]
 
             def held(c: OrderedDict) -> int:
                 return next((i for i, k in enumerate(keys) if k not in c), len(keys))
@@ -64,7 +69,7 @@ def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, replicas: in
             sent[r] += 1
             queries += len(p)
             hits += min(held(caches[r]) * block_size, len(p) - 1)
-            for k in keys:
+            for k in keys + tail:
                 caches[r][k] = None
                 caches[r].move_to_end(k)
             while len(caches[r]) > num_blocks:
@@ -203,7 +208,7 @@ def routing(url: str, args: argparse.Namespace) -> None:
             print(f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], .5):.1f} ms, p99 {1000 * pct(r['ttft'], .99):.1f} "
                   f"ms, hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s; replicas: {split}; a replica "
                   f"saturated in {saturated:.0%} of samples", flush=True)
-    oracle = oracle_hit_rate(rounds, args.num_blocks)
+    oracle = oracle_hit_rate(rounds, args.num_blocks, args.max_tokens)
     print(f"\n{args.model}, 2 replicas x {args.num_blocks} KV blocks, router {args.router}, {args.system_prompts} system "
           f"prompts x {args.system_len} tokens, {args.rounds} x {args.requests} requests, concurrency "
           f"{args.concurrency}, {args.max_tokens} output tokens\n")

@@ -64,7 +64,7 @@ class AdmissionConfig:
     queue_weight: float = 0.5
     placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
     hot_window_s: float = 10.0
-    hot_fraction: float = 0.8
+    hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
 
     def __post_init__(self) -> None:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"

@@ -26,7 +26,7 @@ def evicted_hot_blocks(o: Option, new_blocks: int, hot_fraction: float) -> int:
     return min(o.hot_blocks, max(0, o.hot_blocks + new_blocks - int(hot_fraction * o.capacity_blocks)))
 
 
-def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float = 0.8) -> float:
+def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float = 0.6) -> float:
     """Expected seconds until the prompt's first token there, plus the recompute of hot blocks it evicts."""
     new = max(0, prompt_blocks - o.cached_blocks)
     if o.prefill_tokens_per_s <= 0:
@@ -34,7 +34,7 @@ def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float =
     return o.wait_s + (new + evicted_hot_blocks(o, new, hot_fraction)) * block_size / o.prefill_tokens_per_s
 
 
-def rank(options: Sequence[Option], prompt_blocks: int, block_size: int, hot_fraction: float = 0.8) -> list[str]:
+def rank(options: Sequence[Option], prompt_blocks: int, block_size: int, hot_fraction: float = 0.6) -> list[str]:
     """Replica ids, cheapest first; ties (a prompt no replica holds, queues alike) by the share of the cache
     hot blocks fill, so new prefixes spread by capacity before they evict anything, then by load."""
     return [o.replica_id for o in sorted(options, key=lambda o: (
