@@ -209,7 +209,7 @@ class AdmissionController:
         """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety."""
         e = self.replicas[replica_id]
         blocks, requests = self.reserved(replica_id)
-        wait = queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size)
+        wait = queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size, self.config.block_size)
         return wait * self.config.queue_time_safety
 
     def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
