@@ -71,8 +71,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: s
 
 @dataclass(frozen=True)
 class Rates:
-    """Service rates per busy second of the engine (time inside its steps), decayed over `window_s` of busy
-    time: what a queue ahead of a new request drains at. Zero: not measured yet."""
+    """Service rates per busy second of the engine, decayed over `window_s` of busy time: what a queue ahead of
+    a new request drains at. Busy: time inside its steps, or all the time between two pushes when it had work
+    at the first (output processing and streaming between steps delay a queue too; measured under 10x
+    overload, rates per step time alone drained queues 2-4x faster than they did). Zero: not measured yet."""
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
@@ -94,6 +96,8 @@ class Rates:
         busy = cur.busy_time_s - prev.busy_time_s
         if busy <= 0 or cur.busy_time_s < prev.busy_time_s:
             return self
+        if prev.num_running + prev.num_waiting > 0 and cur.timestamp > prev.timestamp:
+            busy = max(busy, cur.timestamp - prev.timestamp)  # had work throughout: the wall time between steps counts
         keep = math.exp(-busy / window_s)
         b = self.busy_s * keep + busy
         p = self.prefill_tokens * keep + max(0, cur.num_prefill_tokens - prev.num_prefill_tokens)
