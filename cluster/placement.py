@@ -35,8 +35,9 @@ def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float =
 
 
 def rank(options: Sequence[Option], prompt_blocks: int, block_size: int, hot_fraction: float = 0.6) -> list[str]:
-    """Replica ids, cheapest first; ties (a prompt no replica holds, queues alike) by the share of the cache
-    hot blocks fill, so new prefixes spread by capacity before they evict anything, then by load."""
+    """Replica ids, cheapest first; ties by the blocks held (no second copy of a prefix for nothing), then
+    (a prompt no replica holds, queues alike) by the share of the cache hot blocks fill, so new prefixes
+    spread by capacity before they evict anything, then by load."""
     return [o.replica_id for o in sorted(options, key=lambda o: (
-        cost_s(o, prompt_blocks, block_size, hot_fraction), o.hot_blocks / max(1, o.capacity_blocks), o.load,
-        o.replica_id))]
+        cost_s(o, prompt_blocks, block_size, hot_fraction), -o.cached_blocks,
+        o.hot_blocks / max(1, o.capacity_blocks), o.load, o.replica_id))]
