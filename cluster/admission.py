@@ -110,6 +110,7 @@ class ReplicaEntry:
     shared_blocks: int = 0  # other processes' reservations, as the actor counts them (router side)
     shared_requests: int = 0
     shared_keys: frozenset = frozenset()
+    shared_unseen_blocks: int = 0  # of shared_blocks, reserved after the replica's last stats
 
 
 class AdmissionController:
@@ -182,6 +183,12 @@ class AdmissionController:
         return (entry.shared_blocks + k * sum(r.blocks for r in own),
                 entry.shared_requests + k * sum(r.requests for r in own))
 
+    def unseen_blocks(self, replica_id: str) -> int:
+        """Reserved blocks newer than the replica's last stats, every router's (own ones once per router)."""
+        e = self.replicas[replica_id]
+        return e.shared_unseen_blocks + self.num_routers * sum(r.blocks for r in self._own(replica_id)
+                                                               if r.at > e.received_at)
+
     def room(self, replica_id: str) -> int:
         e, bs = self.replicas[replica_id], self.config.block_size
         growth = -(-sum(e.stats.tokens_left) // bs) if self.config.count_output_blocks else 0
@@ -205,12 +212,17 @@ class AdmissionController:
             return None
         return self.kv.match(replica_id, keys, self.pending_keys(replica_id))
 
-    def queue_time(self, replica_id: str) -> float:
-        """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety."""
+    def queue_time(self, replica_id: str, shared: int | None = None) -> float:
+        """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety.
+        With `shared` (for ranking, not admission): of this router's reservations only those newer than the
+        replica's last stats count as queued prefill (older ones started or finished, as a rule, long before
+        they settle), less the `shared` blocks the request shares with them (computed once for both)."""
         e = self.replicas[replica_id]
         blocks, requests = self.reserved(replica_id)
-        wait = queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size, self.config.block_size)
-        return wait * self.config.queue_time_safety
+        if shared is not None:
+            blocks = self.unseen_blocks(replica_id) - shared
+        tokens = max(0, blocks) * self.config.block_size
+        return queue_time_s(e.stats, e.rates, requests, tokens, self.config.block_size) * self.config.queue_time_safety
 
     def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
         """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks."""
@@ -305,7 +317,8 @@ class AdmissionController:
         for rid in rids:
             e = self.replicas[rid]
             options.append(placement.Option(
-                rid, cached.get(rid, self.shared_blocks(rid, keys)), wait[rid] / self.config.queue_time_safety,
+                rid, cached.get(rid, self.shared_blocks(rid, keys)),
+                self.queue_time(rid, self.shared_blocks(rid, keys)) / self.config.queue_time_safety,
                 rate, self.hot.count(rid, now, keys), e.stats.kv_blocks_total,
                 e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1]))
         return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
@@ -319,6 +332,7 @@ class AdmissionController:
                          "saturated": e.saturated, "fresh": self.fresh(e, now), "admitting": self.open(e, now),
                          "room_blocks": self.room(rid), "pressure": e.stats.pressure(self.config.block_size),
                          "reserved_blocks": blocks, "reserved_requests": requests, "rates": e.rates.to_dict(),
+                         "unseen_reserved_blocks": self.unseen_blocks(rid),
                          "queue_time_s": wait if math.isfinite(wait) else -1.0,
                          "kv_index_reported": self.kv.reported(rid), "kv_index_blocks": self.kv.size(rid)})
         total = sum(r["kv_blocks_total"] for r in rows)
@@ -360,7 +374,8 @@ class AdmissionController:
         pending = kv.get("pending", {})
         self.replicas = {r["replica_id"]: ReplicaEntry(
             ReplicaStats.from_dict(r), now - r["age_s"], r["saturated"], Rates(**r.get("rates", {})),
-            r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())))
+            r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())),
+            r.get("unseen_reserved_blocks", 0))
             for r in snapshot["replicas"]}
         self.inflight = []
         self.num_routers = max(1, int(snapshot.get("routers", 1)))

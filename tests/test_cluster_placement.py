@@ -125,3 +125,15 @@ def test_router_takes_admissions_replica_even_if_its_own_view_says_saturated():
     scored = score_replicas(cands, (), PrefixIndex(), RouterConfig())
     assert choose(scored, RouterConfig()) == ["b"]  # no admission list: saturated a is skipped
     assert choose(scored, RouterConfig(), ["a"], ordered=True) == ["a", "b"]
+
+
+def test_ranking_ignores_reservations_older_than_the_replicas_stats():
+    c = controller()
+    h = block_hashes([7] * (11 * 16), 16)
+    c.reserve("a", 11, 0.15, keys=block_hashes([9] * (11 * 16), 16))  # another prompt, sent to a
+    assert c.queue_time("a", shared=0) > 0 and c.decide(11, 0.16, keys=h).replicas[0] == "b"
+    c.update(stats("a", running=1, busy=1.0, prefill=2000, ts=1.1), 0.2, None)  # stats after it: it started
+    assert c.queue_time("a", shared=0) == 0.0 and c.reserved("a")[0] == 11  # still charged for room
+    c.reserve("a", 11, 0.2, keys=h)
+    d = c.decide(11, 0.21, keys=h)  # waiting behind a prompt it shares costs nothing of its own
+    assert d.replicas[0] == "a" and d.new_blocks == 0
