@@ -286,7 +286,7 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     warm = [rand_tokens(rng, rng.randint(*prompt_len)) for _ in range(args.capacity_requests)]
     out, elapsed = asyncio.run(closed_loop(url, f"/{name}", warm, args.overload_max_tokens, 2 * args.max_num_seqs))
     capacity = sum(o["status"] == 200 for o in out) / elapsed
-    rate = args.overload * capacity
+    rate = args.rate or args.overload * capacity
     print(f"\n{name}: {routers} router replica(s), admission {args.admission}, capacity {capacity:.2f} req/s closed-loop "
           f"({2 * args.max_num_seqs} clients); offering {rate:.1f} req/s for {args.duration:.0f} s", flush=True)
     actor = serve.get_deployment_handle("LLMReplica", app_name=name).admission.remote().result()
@@ -340,6 +340,7 @@ def main() -> None:
     p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
     p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
     p.add_argument("--overload", type=float, default=10.0, help="offered load / measured capacity")
+    p.add_argument("--rate", type=float, default=0.0, help="offer this many req/s instead of overload x capacity")
     p.add_argument("--max-queue-time", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=10.0, help="seconds of open-loop arrivals")
     p.add_argument("--capacity-requests", type=int, default=48)
