@@ -5,11 +5,10 @@ Two bottlenecks, whichever is worse: batch slots (a request beyond the replica's
 enough running requests have finished: the k-th slot frees when the running request with the k-th fewest
 tokens left is done, at the measured steps per second; beyond those, at the measured finish rate; slots
 are `max_num_seqs`, or fewer when the KV cache holds fewer requests the size the running ones grow to by
-their `max_tokens`) and prefill (the prompt
-tokens queued ahead drain at the measured prefill rate; the engine counts a queued prompt's cached tokens
-too, so those are scaled by the measured prefix-cache miss ratio). Requests admitted but not yet in the stats count
-as queued. With a queue but no measured finish rate the wait is unknown: infinite, so a cold replica takes
-what its free slots hold and no more.
+their `max_tokens`) and prefill (the prompt tokens queued ahead drain at the measured prefill rate; the
+engine counts a queued prompt's cached tokens too, so those are scaled by the measured prefix-cache miss
+ratio). Requests admitted but not yet in the stats count as queued. With a queue but no measured finish
+rate the wait is unknown: infinite, so a cold replica takes what its free slots hold and no more.
 """
 import math
 
