@@ -49,14 +49,19 @@ def make_round(args: argparse.Namespace, seed: int) -> list[list[int]]:
     return [rng.choice(systems) + rand_tokens(rng, rng.randint(*args.user_len)) for _ in range(args.requests)]
 
 
-def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, replicas: int = 2, block_size: int = 16) -> float:
-    """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests)."""
+def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, max_tokens: int, replicas: int = 2,
+                    block_size: int = 16) -> float:
+    """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests). As
+    in the engine, the full blocks of its output are cached too (keys no other request has); unlike it, no
+    block is ever pinned by a running request, so the oracle's caches hold more: an upper bound."""
     from engine.prefix_hash import block_hashes
     caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
-    sent, hits, queries = [0] * replicas, 0, 0
+    sent, hits, queries, served = [0] * replicas, 0, 0, 0
     for prompts in rounds:
         for p in prompts:
+            served += 1
             keys = block_hashes(p, block_size)
+            tail = [(served, i) for i in range((len(p) + max_tokens) // block_size - len(keys))]
 
             def held(c: OrderedDict) -> int:
                 return next((i for i, k in enumerate(keys) if k not in c), len(keys))
@@ -64,7 +69,7 @@ def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, replicas: in
             sent[r] += 1
             queries += len(p)
             hits += min(held(caches[r]) * block_size, len(p) - 1)
-            for k in keys:
+            for k in keys + tail:
                 caches[r][k] = None
                 caches[r].move_to_end(k)
             while len(caches[r]) > num_blocks:
@@ -145,29 +150,65 @@ async def closed_loop(url: str, path: str, prompts: list[list[int]], max_tokens:
     return results, time.perf_counter() - start
 
 
-async def totals(url: str, path: str) -> dict[str, Any]:
+async def cluster_view(url: str, path: str) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-        return (await c.get(f"{path}/v1/cluster")).json()["totals"]
+        return (await c.get(f"{path}/v1/cluster")).json()
+
+
+def per_replica(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[int, float]]:
+    """Each replica's (requests finished, prefix-cache hit rate) between two cluster views."""
+    old = {r["replica_id"]: r for r in before["replicas"]}
+    out = []
+    for r in after["replicas"]:
+        o = old.get(r["replica_id"], {})
+        q = r["prefix_cache_queries"] - o.get("prefix_cache_queries", 0)
+        out.append((r["num_finished"] - o.get("num_finished", 0),
+                    (r["prefix_cache_hits"] - o.get("prefix_cache_hits", 0)) / max(1, q)))
+    return out
+
+
+async def with_saturation(actor: Any, work: Any) -> tuple[Any, float]:
+    """Runs `work`, sampling the admission actor every 20 ms: also the share of samples with a replica saturated."""
+    stop, seen = asyncio.Event(), []
+
+    async def sample() -> None:
+        while not stop.is_set():
+            seen.append(any(r["saturated"] for r in (await actor.snapshot.remote())["replicas"]))
+            await asyncio.sleep(0.02)
+    task = asyncio.create_task(sample())
+    try:
+        return await work, sum(seen) / max(1, len(seen))
+    finally:
+        stop.set()
+        await task
 
 
 def routing(url: str, args: argparse.Namespace) -> None:
-    deploy(url, {"kv": app_args(args, request_router=json.loads(args.router)), "p2c": app_args(args, request_router=None)})
-    res: dict[str, list[dict[str, Any]]] = {app: [] for app in ROUTERS}
+    from ray import serve
+    apps = {"kv": app_args(args, request_router=json.loads(args.router)), "p2c": app_args(args, request_router=None)}
+    names = [a for a in ROUTERS if a in args.apps.split(",")]
+    deploy(url, {a: apps[a] for a in names})
+    res: dict[str, list[dict[str, Any]]] = {app: [] for app in names}
     rounds = [make_round(args, seed=r) for r in range(args.rounds)]
     for rnd, prompts in enumerate(rounds):
-        for app in (list(ROUTERS) if rnd % 2 == 0 else list(ROUTERS)[::-1]):
-            before = asyncio.run(totals(url, f"/{app}"))
-            out, elapsed = asyncio.run(closed_loop(url, f"/{app}", prompts, args.max_tokens, args.concurrency))
+        for app in (names if rnd % 2 == 0 else names[::-1]):
+            actor = serve.get_deployment_handle("LLMReplica", app_name=app).admission.remote().result()
+            view = asyncio.run(cluster_view(url, f"/{app}"))
+            (out, elapsed), saturated = asyncio.run(with_saturation(
+                actor, closed_loop(url, f"/{app}", prompts, args.max_tokens, args.concurrency)))
             time.sleep(0.5)
-            after = asyncio.run(totals(url, f"/{app}"))
+            view_after = asyncio.run(cluster_view(url, f"/{app}"))
+            before, after = view["totals"], view_after["totals"]
             r = {"ttft": [o["ttft"] for o in out if o["status"] == 200], "tokens": sum(o.get("tokens", 0) for o in out),
                  "elapsed": elapsed, "refused": sum(o["refused"] for o in out),
                  "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
                  "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
             res[app].append(r)
-            print(f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], .5):.1f} ms, "
-                  f"hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s", flush=True)
-    oracle = oracle_hit_rate(rounds, args.num_blocks)
+            split = ", ".join(f"{n} req at {h:.0%} hits" for n, h in per_replica(view, view_after))
+            print(f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], .5):.1f} ms, p99 {1000 * pct(r['ttft'], .99):.1f} "
+                  f"ms, hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s; replicas: {split}; a replica "
+                  f"saturated in {saturated:.0%} of samples", flush=True)
+    oracle = oracle_hit_rate(rounds, args.num_blocks, args.max_tokens)
     print(f"\n{args.model}, 2 replicas x {args.num_blocks} KV blocks, router {args.router}, {args.system_prompts} system "
           f"prompts x {args.system_len} tokens, {args.rounds} x {args.requests} requests, concurrency "
           f"{args.concurrency}, {args.max_tokens} output tokens\n")
@@ -182,6 +223,8 @@ def routing(url: str, args: argparse.Namespace) -> None:
         print(f"| {ROUTERS[app]} | {1000 * stat[app][0]:.1f} | {1000 * stat[app][1]:.1f} | {tps:.1f} | {hit:.1%} | "
               f"{sum(r['refused'] for r in runs)} |")
     print(f"| oracle (knows every cache; sequential simulation) | | | | {oracle:.1%} | |")
+    if len(stat) < 2:
+        return
     print(f"\nKV-aware vs power of two: TTFT p50 {100 * (stat['kv'][0] / stat['p2c'][0] - 1):+.1f}% (target <= -35%), "
           f"p99 {100 * (stat['kv'][1] / stat['p2c'][1] - 1):+.1f}% (target <= 0); hit rate "
           f"{100 * (stat['kv'][2] - oracle):+.1f} points vs oracle (target within 5)")
@@ -243,7 +286,7 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     warm = [rand_tokens(rng, rng.randint(*prompt_len)) for _ in range(args.capacity_requests)]
     out, elapsed = asyncio.run(closed_loop(url, f"/{name}", warm, args.overload_max_tokens, 2 * args.max_num_seqs))
     capacity = sum(o["status"] == 200 for o in out) / elapsed
-    rate = args.overload * capacity
+    rate = args.rate or args.overload * capacity
     print(f"\n{name}: {routers} router replica(s), admission {args.admission}, capacity {capacity:.2f} req/s closed-loop "
           f"({2 * args.max_num_seqs} clients); offering {rate:.1f} req/s for {args.duration:.0f} s", flush=True)
     actor = serve.get_deployment_handle("LLMReplica", app_name=name).admission.remote().result()
@@ -292,10 +335,12 @@ def main() -> None:
     p.add_argument("--user-len", type=int, nargs=2, default=(32, 64))
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=224, help="per replica; about half the system prompts fit")
+    p.add_argument("--apps", default="kv,p2c", help="routing: which routers to run (kv, p2c)")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
     p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
     p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
     p.add_argument("--overload", type=float, default=10.0, help="offered load / measured capacity")
+    p.add_argument("--rate", type=float, default=0.0, help="offer this many req/s instead of overload x capacity")
     p.add_argument("--max-queue-time", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=10.0, help="seconds of open-loop arrivals")
     p.add_argument("--capacity-requests", type=int, default=48)
@@ -316,8 +361,8 @@ def main() -> None:
     try:
         if args.scenario in ("routing", "all"):
             routing(url, args)
-            serve.delete("kv")
-            serve.delete("p2c")
+            for app in args.apps.split(","):
+                serve.delete(app)
         if args.scenario in ("overload", "all"):
             overload(url, args, routers=1)
         if args.scenario in ("two-routers", "all"):

@@ -14,9 +14,24 @@ from dataclasses import asdict, dataclass, field
 import math
 from typing import Any, Iterable, Sequence
 
+from cluster.hot_blocks import HotBlocks
 from cluster.kv_index import KVIndex
+from cluster import placement
 from cluster.queue_time import queue_time_s, retry_after_s
 from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats
+
+def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
+    """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)
+    times the measured prefix-cache miss ratio."""
+    return math.ceil(stats.num_waiting_tokens * rates.miss_ratio / block_size)
+
+
+def demand(stats: ReplicaStats, rates: Rates, block_size: int) -> float:
+    """KV demand / capacity, as `ReplicaStats.pressure` but with `waiting_blocks`: what the watermarks compare."""
+    if not stats.kv_blocks_total:
+        return 1.0
+    return (stats.kv_blocks_used + waiting_blocks(stats, rates, block_size)) / stats.kv_blocks_total
+
 
 @dataclass(frozen=True)
 class Watermarks:
@@ -47,6 +62,9 @@ class AdmissionConfig:
     affinity_weight: float = 1.0
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
+    placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
+    hot_window_s: float = 10.0
+    hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
 
     def __post_init__(self) -> None:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
@@ -55,6 +73,7 @@ class AdmissionConfig:
         assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
         assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
         assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
+        assert self.hot_window_s > 0.0 and 0.0 < self.hot_fraction <= 1.0, "hot_window_s > 0, 0 < hot_fraction <= 1"
 
     @property
     def watermarks(self) -> Watermarks:
@@ -91,6 +110,7 @@ class ReplicaEntry:
     shared_blocks: int = 0  # other processes' reservations, as the actor counts them (router side)
     shared_requests: int = 0
     shared_keys: frozenset = frozenset()
+    shared_unseen_blocks: int = 0  # of shared_blocks, reserved after the replica's last stats
 
 
 class AdmissionController:
@@ -101,17 +121,17 @@ class AdmissionController:
         self.inflight: list[Reservation] = []  # sent to the actor, not yet in a snapshot (router side)
         self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
         self.kv = KVIndex()
+        self.hot = HotBlocks(self.config.hot_window_s)
 
     def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
         """Takes a stats push (and its KV events); True when the replica must list its KV keys (reset)."""
-        prev = self.replicas.get(stats.replica_id)
+        prev, bs = self.replicas.get(stats.replica_id), self.config.block_size
         if prev is not None and stats.timestamp < prev.stats.timestamp:
             return False
-        saturated = self.config.watermarks.saturated(
-            prev.saturated if prev else False, stats.pressure(self.config.block_size))
+        rates = prev.rates.update(prev.stats, stats, self.config.rate_window_s) if prev else Rates()
+        saturated = self.config.watermarks.saturated(prev.saturated if prev else False, demand(stats, rates, bs))
         if self.config.saturate_on_preemption and prev and stats.num_preemptions > prev.stats.num_preemptions:
             saturated = True
-        rates = prev.rates.update(prev.stats, stats, self.config.rate_window_s) if prev else Rates()
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
         self._settle(stats.replica_id)
         if kv_events is None:
@@ -133,6 +153,7 @@ class AdmissionController:
         self.replicas.pop(replica_id, None)
         self._reserved.pop(replica_id, None)
         self.kv.forget(replica_id)
+        self.hot.forget(replica_id)
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         keep = set(replica_ids)
@@ -162,10 +183,16 @@ class AdmissionController:
         return (entry.shared_blocks + k * sum(r.blocks for r in own),
                 entry.shared_requests + k * sum(r.requests for r in own))
 
+    def unseen_blocks(self, replica_id: str) -> int:
+        """Reserved blocks newer than the replica's last stats, every router's (own ones once per router)."""
+        e = self.replicas[replica_id]
+        return e.shared_unseen_blocks + self.num_routers * sum(r.blocks for r in self._own(replica_id)
+                                                               if r.at > e.received_at)
+
     def room(self, replica_id: str) -> int:
-        stats, bs = self.replicas[replica_id].stats, self.config.block_size
-        growth = -(-sum(stats.tokens_left) // bs) if self.config.count_output_blocks else 0
-        return stats.room_blocks(bs) - self.reserved(replica_id)[0] - growth
+        e, bs = self.replicas[replica_id], self.config.block_size
+        growth = -(-sum(e.stats.tokens_left) // bs) if self.config.count_output_blocks else 0
+        return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
 
     def pending_keys(self, replica_id: str) -> set[bytes]:
         keys = set(self.replicas[replica_id].shared_keys)
@@ -185,12 +212,17 @@ class AdmissionController:
             return None
         return self.kv.match(replica_id, keys, self.pending_keys(replica_id))
 
-    def queue_time(self, replica_id: str) -> float:
-        """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety."""
+    def queue_time(self, replica_id: str, shared: int | None = None) -> float:
+        """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety.
+        With `shared` (for ranking, not admission): of this router's reservations only those newer than the
+        replica's last stats count as queued prefill (older ones started or finished, as a rule, long before
+        they settle), less the `shared` blocks the request shares with them (computed once for both)."""
         e = self.replicas[replica_id]
         blocks, requests = self.reserved(replica_id)
-        wait = queue_time_s(e.stats, e.rates, requests, blocks * self.config.block_size)
-        return wait * self.config.queue_time_safety
+        if shared is not None:
+            blocks = self.unseen_blocks(replica_id) - shared
+        tokens = max(0, blocks) * self.config.block_size
+        return queue_time_s(e.stats, e.rates, requests, tokens, self.config.block_size) * self.config.queue_time_safety
 
     def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
         """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks."""
@@ -215,6 +247,7 @@ class AdmissionController:
             self._reserved.setdefault(replica_id, []).append(
                 Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
             self._settle(replica_id)
+            self.hot.record(replica_id, keys, now)
 
     def take_reservations(self) -> list[Reservation]:
         """Router side: this process's reservations, to send to the actor; counted as in flight until the
@@ -251,7 +284,9 @@ class AdmissionController:
         if not open_:
             return Decision(False, [], retry, "saturated")
         grow = output_blocks if self.config.count_output_blocks else 0
-        need = {rid: max(0, num_prompt_blocks - self.shared_blocks(rid, keys)) + grow for rid in open_}
+        cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}
+        need = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys))) + grow
+                for rid in open_}
         fits = [rid for rid in open_ if self.room(rid) >= min(need[rid], self.replicas[rid].stats.kv_blocks_total)]
         if not fits:
             return Decision(False, [], retry, "no_room")
@@ -263,9 +298,30 @@ class AdmissionController:
             if not fits:
                 return Decision(False, [], retry_after_s(best, limit, retry), "queue_time",
                                 queue_time_s=best)
-        cached = {rid: c for rid in fits if (c := self.cached_blocks(rid, keys)) is not None}
-        fits.sort(key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid))
-        return Decision(True, fits, 0.0, "ok", cached, wait[fits[0]], need[fits[0]])
+        fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
+        return Decision(True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]],
+                        need[fits[0]])
+
+    def rank(self, rids: list[str], keys: Sequence[bytes], prompt_blocks: int, cached: dict[str, int],
+             wait: dict[str, float], now: float) -> list[str]:
+        """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured, else
+        by the KV-aware router's score. One pooled rate for all: replicas of one deployment run one model, and
+        their own rates differ mostly by how much of their busy time went to decoding."""
+        measured = [self.replicas[rid].rates for rid in rids]
+        busy = sum(r.busy_s for r in measured if r.prefill_tokens > 0)
+        if not self.config.placement or busy <= 0:
+            return sorted(rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid),
+                                                 rid))
+        rate = sum(r.prefill_tokens for r in measured if r.prefill_tokens > 0) / busy
+        options = []
+        for rid in rids:
+            e = self.replicas[rid]
+            options.append(placement.Option(
+                rid, cached.get(rid, self.shared_blocks(rid, keys)),
+                self.queue_time(rid, self.shared_blocks(rid, keys)) / self.config.queue_time_safety,
+                rate, self.hot.count(rid, now, keys), e.stats.kv_blocks_total,
+                e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1]))
+        return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         rows = []
@@ -276,6 +332,7 @@ class AdmissionController:
                          "saturated": e.saturated, "fresh": self.fresh(e, now), "admitting": self.open(e, now),
                          "room_blocks": self.room(rid), "pressure": e.stats.pressure(self.config.block_size),
                          "reserved_blocks": blocks, "reserved_requests": requests, "rates": e.rates.to_dict(),
+                         "unseen_reserved_blocks": self.unseen_blocks(rid),
                          "queue_time_s": wait if math.isfinite(wait) else -1.0,
                          "kv_index_reported": self.kv.reported(rid), "kv_index_blocks": self.kv.size(rid)})
         total = sum(r["kv_blocks_total"] for r in rows)
@@ -312,11 +369,13 @@ class AdmissionController:
         The snapshot's reservations become shared ones (they include this process's in-flight ones); own
         reservations not sent yet are kept. A snapshot's "kv" part (`kv_snapshot`) updates the KV index."""
         self.config = AdmissionConfig(**snapshot["config"])
+        self.hot.window_s = self.config.hot_window_s
         kv = snapshot.get("kv") or {}
         pending = kv.get("pending", {})
         self.replicas = {r["replica_id"]: ReplicaEntry(
             ReplicaStats.from_dict(r), now - r["age_s"], r["saturated"], Rates(**r.get("rates", {})),
-            r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())))
+            r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())),
+            r.get("unseen_reserved_blocks", 0))
             for r in snapshot["replicas"]}
         self.inflight = []
         self.num_routers = max(1, int(snapshot.get("routers", 1)))

@@ -133,11 +133,14 @@ def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] =
     """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
     relative to it), then the rest. Saturated replicas only when every replica is saturated;
     replicas outside `allowed` (admission's list) only after the allowed ones; `ordered`: the allowed ones
-    in admission's order (it reserved the request on its first), not by score."""
-    usable = [s for s in scored if not s.saturated] or sorted(scored, key=lambda s: (s.load, s.pressure))
+    in admission's order (it reserved the request on its first), not by score, and never skipped as
+    saturated (admission found room there with its fresher view, counting the request itself)."""
+    ok = {rid: i for i, rid in enumerate(allowed)}
+    trusted = ordered and any(s.replica_id in ok for s in scored)  # admission checked their room just now
+    usable = ([s for s in scored if not s.saturated or (trusted and s.replica_id in ok)]
+              or sorted(scored, key=lambda s: (s.load, s.pressure)))
     if not usable:
         return []
-    ok = {rid: i for i, rid in enumerate(allowed)}
     pool = [s for s in usable if s.replica_id in ok] or usable
     if ordered:
         pool.sort(key=lambda s: ok.get(s.replica_id, len(ok)))

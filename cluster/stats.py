@@ -71,8 +71,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: s
 
 @dataclass(frozen=True)
 class Rates:
-    """Service rates per busy second of the engine (time inside its steps), decayed over `window_s` of busy
-    time: what a queue ahead of a new request drains at. Zero: not measured yet."""
+    """Service rates per busy second of the engine, decayed over `window_s` of busy time: what a queue ahead of
+    a new request drains at. Busy: time inside its steps, or all the time between two pushes when it had work
+    at the first (output processing and streaming between steps delay a queue too; measured under 10x
+    overload, rates per step time alone drained queues 2-4x faster than they did). Zero: not measured yet."""
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
@@ -82,18 +84,30 @@ class Rates:
     decode_tokens: float = 0.0
     finished: float = 0.0
     steps: float = 0.0
+    prompt_tokens: float = 0.0  # prefix-cache queries (prompt tokens scheduled), decayed like the rest
+    missed_tokens: float = 0.0  # of those, not found in the prefix cache
+
+    @property
+    def miss_ratio(self) -> float:
+        """Share of queued prompt tokens that will really be computed (1 until measured)."""
+        return self.missed_tokens / self.prompt_tokens if self.prompt_tokens > 0 else 1.0
 
     def update(self, prev: ReplicaStats, cur: ReplicaStats, window_s: float = 4.0) -> "Rates":
         busy = cur.busy_time_s - prev.busy_time_s
         if busy <= 0 or cur.busy_time_s < prev.busy_time_s:
             return self
+        if prev.num_running + prev.num_waiting > 0 and cur.timestamp > prev.timestamp:
+            busy = max(busy, cur.timestamp - prev.timestamp)  # had work throughout: the wall time between steps counts
         keep = math.exp(-busy / window_s)
         b = self.busy_s * keep + busy
         p = self.prefill_tokens * keep + max(0, cur.num_prefill_tokens - prev.num_prefill_tokens)
         d = self.decode_tokens * keep + max(0, cur.num_decode_tokens - prev.num_decode_tokens)
         f = self.finished * keep + max(0, cur.num_finished - prev.num_finished)
         n = self.steps * keep + max(0, cur.num_steps - prev.num_steps)
-        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n)
+        q = max(0, cur.prefix_cache_queries - prev.prefix_cache_queries)
+        m = max(0, q - max(0, cur.prefix_cache_hits - prev.prefix_cache_hits))
+        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n, self.prompt_tokens * keep + q,
+                     self.missed_tokens * keep + m)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
