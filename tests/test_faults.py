@@ -53,7 +53,8 @@ def cluster() -> Iterator[SimpleNamespace]:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(AppArgs(**APP, num_replicas=2)), name="faults", route_prefix="/faults")
+        paced = {**APP, "engine": {**APP["engine"], "model_runner_cls": PACED}}  # 700 tokens take >= 14 s
+        serve.run(build_app(AppArgs(**paced, num_replicas=2)), name="faults", route_prefix="/faults")
         url = f"http://127.0.0.1:{port}"
         http = httpx.Client(base_url=f"{url}/faults", timeout=60)
         eventually(lambda: fresh_replicas(http) == 2, 60, "both replicas report to admission")
