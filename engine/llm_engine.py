@@ -6,9 +6,9 @@ import time
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.heap import freeze_startup_heap
 from engine.core_client import InprocClient, MPClient
 from engine.generation_defaults import GenerationDefaults, load_generation_defaults
+from engine.heap import freeze_startup_heap
 from engine.kv_events import KVEvents
 from engine.limits import RequestLimits
 from engine.messages import AddRequest, CoreOutput

@@ -205,21 +205,17 @@ class Scheduler:
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
         """Append sampled tokens, finish sequences that stop; returns the sequences that changed."""
         changed = []
-        requests, running, eos, max_len = self.requests, SequenceStatus.RUNNING, self.eos_token_ids, self.config.max_model_len
+        requests, running = self.requests, SequenceStatus.RUNNING
         for rid, token in zip(ro.req_ids, ro.token_ids):
             seq = requests.get(rid)
             if seq is None or seq.status is not running:
                 continue
-            tokens = seq.token_ids
-            tokens.append(token)
+            seq.token_ids.append(token)
             if seq.held_finish is not None:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            p = seq.params
-            if (token in eos or token in p.stop_token_ids or len(tokens) >= max_len
-                    or len(tokens) - len(seq.prompt_token_ids) >= p.max_tokens):
-                self._check_stop(seq, token)
+            self._check_stop(seq, token)
             changed.append(seq)
         self._release_static_batch()
         released, self.released = self.released, []
