@@ -1,15 +1,16 @@
 """Serving over HTTP (Ray Serve + OpenAI API) vs the offline engine on the same workload.
 
 Prints: offline tok/s with the engine core in this thread and in its own process; HTTP tok/s at saturation
-(whole responses and SSE streams) for today's path (core in the replica's thread), the default (core in its
-own process), the single-deployment topology and a coarser stream_interval; inter-chunk latency (ITL) p50/p99
-under that load; and, interleaved request by request, the TTFT the Serve layer adds on loopback (HTTP TTFT
-minus the replica's own time to first deltas) for: in-thread core (today), core process (default), gRPC
-handle transport, single deployment, and a bare Serve app. --haproxy adds Ray Serve's HAProxy ingress,
-served by a second Ray cluster in a subprocess (the flag is per cluster), interleaved with the rest.
+(whole responses and SSE streams; one app deployed at a time) for the default (core in its own process, token
+channel), the core in the replica's thread, streams without the token channel, gRPC handle transport, the
+single-deployment topology and a coarser stream_interval; inter-chunk latency (ITL) p50/p99 under that load;
+and, interleaved request by request with every app deployed, the TTFT the Serve layer adds on loopback (HTTP
+TTFT minus the replica's own time to first deltas), against a bare Serve app. --haproxy adds Ray Serve's
+HAProxy ingress (default app and single deployment), served by a second Ray cluster in a subprocess (the flag
+is per cluster). The client is aiohttp, in this process.
 
     python benchmarks/serving.py --num-prompts 64 --max-tokens 64
-    python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, default + in-thread apps
+    python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
 """
 import argparse
 import asyncio
@@ -28,10 +29,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/kernels.py shadows kernels/
 sys.path.insert(0, str(HERE.parent))
-import httpx  # noqa: E402
+import aiohttp  # noqa: E402
 import torch  # noqa: E402
-
-from benchmarks.sse import read_completion_stream  # noqa: E402
 
 
 def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -56,59 +55,80 @@ def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def replica_ms(r: httpx.Response) -> float:
-    timing = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+def replica_ms(headers: Any) -> float:
+    timing = dict(part.strip().split(";dur=") for part in headers["server-timing"].split(","))
     return float(timing["replica"])
 
 
-async def http_request(client: httpx.AsyncClient, path: str, prompt: list[int], max_tokens: int, stream: bool,
+async def read_stream(r: aiohttp.ClientResponse, start: float, arrivals: list[float]) -> tuple[float | None, int]:
+    """Time to the first non-empty text delta, completion tokens from usage; each content chunk's arrival."""
+    ttft, tokens = None, 0
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        elif chunk["choices"] and chunk["choices"][0]["text"]:
+            now = time.perf_counter()
+            ttft = now - start if ttft is None else ttft
+            arrivals.append(now)
+    return ttft, tokens
+
+
+async def http_request(client: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, stream: bool,
                        model: str, gaps: list[float] | None = None) -> tuple[float | None, float, int]:
+    """aiohttp, as vLLM's serving benchmark uses: on 2 shared cores the client's own CPU is part of the load
+    (httpx's stream reader measured ~30% of a core at 1600 tok/s)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
     start = time.perf_counter()
-    if not stream:
-        r = await client.post(f"{path}v1/completions", json=body)
+    async with client.post(f"{url}v1/completions", json=body) as r:
         r.raise_for_status()
-        return None, replica_ms(r), r.json()["usage"]["completion_tokens"]
-    arrivals: list[float] = []
-    async with client.stream("POST", f"{path}v1/completions", json=body) as r:
-        r.raise_for_status()
-        ttft, tokens = await read_completion_stream(r, start, arrivals)
+        if not stream:
+            return None, replica_ms(r.headers), (await r.json())["usage"]["completion_tokens"]
+        arrivals: list[float] = []
+        ttft, tokens = await read_stream(r, start, arrivals)
     if gaps is not None:
         gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return ttft, replica_ms(r), tokens
+    return ttft, replica_ms(r.headers), tokens
 
 
-async def http_throughput(url: str, path: str, prompts: list[list[int]], max_tokens: int, stream: bool,
+def session(connections: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+async def http_throughput(url: str, prompts: list[list[int]], max_tokens: int, stream: bool,
                           model: str) -> tuple[float, int, list[float], list[float]]:
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     gaps: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(http_request(client, path, p, max_tokens, stream, model) for p in prompts[:16]))
+    async with session(len(prompts)) as client:
+        await asyncio.gather(*(http_request(client, url, p, max_tokens, stream, model) for p in prompts[:16]))
         start = time.perf_counter()
-        res = await asyncio.gather(*(http_request(client, path, p, max_tokens, stream, model, gaps) for p in prompts))
+        res = await asyncio.gather(*(http_request(client, url, p, max_tokens, stream, model, gaps) for p in prompts))
         elapsed = time.perf_counter() - start
     return elapsed, sum(t for _, _, t in res), [t for t, _, _ in res if t is not None], gaps
 
 
-async def first_line_s(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> float:
+async def first_line_s(client: aiohttp.ClientSession, url: str) -> float:
     start = time.perf_counter()
-    async with client.stream("POST", path, json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
+    async with client.post(url, json={}) as r:
+        async for line in r.content:
+            if line.startswith(b"data: "):
                 return time.perf_counter() - start
-    raise RuntimeError(f"{path}: no data")
+    raise RuntimeError(f"{url}: no data")
 
 
 async def http_ttfts(variants: dict[str, str], prompts: list[list[int]], model: str) -> dict[str, list[float]]:
     """Per variant (name -> full URL prefix), HTTP TTFT minus the replica's own time to first deltas (the
     floor app: its whole TTFT), one request per variant per prompt, round-robin."""
     added: dict[str, list[float]] = {name: [] for name in variants}
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with session(4) as client:
         for i, p in enumerate(prompts):
             for name, prefix in variants.items():
                 if name.endswith("bare Serve app"):
-                    t = await first_line_s(client, prefix, {})
+                    t = await first_line_s(client, prefix)
                 else:
                     ttft, rep, _ = await http_request(client, prefix, p, 1, True, model)
                     t = ttft - rep / 1000
@@ -149,11 +169,12 @@ APPS = {  # route prefix -> AppArgs overrides; "/" is the default configuration
     "/": {},
     "/inthread/": {"engine_core_process": False},
     "/grpc/": {"handle_transport": "grpc"},
+    "/nochannel/": {"token_channel": False},
     "/single/": {"topology": "single", "request_router": None},
 }
 
 
-QUICK_APPS = {k: APPS[k] for k in ("/", "/inthread/")}
+QUICK_APPS = {k: APPS[k] for k in ("/", "/nochannel/")}
 
 
 def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -173,21 +194,25 @@ def start_ray(args: argparse.Namespace, port: int) -> None:
 
 
 def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """--quick: the default and today's in-thread path only (each app loads a model replica)."""
+    """--quick: the default and the default without the token channel (each app loads a model replica)."""
     extra = {f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}
     return {**(QUICK_APPS if args.quick else APPS), **extra}
 
 
-def start_apps(args: argparse.Namespace) -> str:
+def deploy_app(args: argparse.Namespace, prefix: str) -> str:
     from ray import serve
 
     from deployments.app import build_app
-    start_ray(args, args.port)
-    for prefix, overrides in apps_of(args).items():
-        serve.run(build_app(app_args(args, **overrides)), name=prefix.strip("/") or "default",
-                  route_prefix=prefix.rstrip("/") or "/")
+    name = prefix.strip("/") or "default"
+    serve.run(build_app(app_args(args, **apps_of(args)[prefix])), name=name, route_prefix=prefix.rstrip("/") or "/")
+    return name
+
+
+def start_apps(args: argparse.Namespace) -> None:
+    from ray import serve
+    for prefix in apps_of(args):
+        deploy_app(args, prefix)
     serve.run(floor_app(), name="floor", route_prefix="/floor")
-    return f"http://127.0.0.1:{args.port}"
 
 
 def stop_ray(args: argparse.Namespace) -> None:
@@ -207,6 +232,7 @@ def serve_haproxy(args: argparse.Namespace) -> None:
     start_ray(args, args.port)
     try:
         serve.run(build_app(app_args(args)), name="default", route_prefix="/")
+        serve.run(build_app(app_args(args, **APPS["/single/"])), name="single", route_prefix="/single")
         serve.run(floor_app(), name="floor", route_prefix="/floor")
         print("READY", flush=True)
         sys.stdin.read()
@@ -277,31 +303,39 @@ def main() -> None:
     off_tps = max(best.values())
     print(f"offline core process / in-thread: {best[True] / best[False]:.3f}; baseline {off_tps:.1f} tok/s")
 
-    child = None
+    names = {"/inthread/": "today (core in replica thread)", "/": "default (core process)",
+             "/nochannel/": "no token channel", "/grpc/": "gRPC handle transport", "/single/": "single deployment",
+             **{f"/si{k}/": f"stream_interval={k}" for k in args.stream_intervals}}
+    url, child = f"http://127.0.0.1:{args.port}", None
+    results: dict[tuple[str, bool], list] = {}
+
+    def measure(name: str, prefix_url: str) -> None:
+        for _ in range(rounds):
+            for stream in (False, True):
+                r = asyncio.run(http_throughput(prefix_url, prompts, args.max_tokens, stream, args.model))
+                if (name, stream) not in results or r[1] / r[0] > results[name, stream][1] / results[name, stream][0]:
+                    results[name, stream] = r
+
     try:
-        url = start_apps(args)
+        from ray import serve
+        start_ray(args, args.port)
+        for prefix in apps_of(args):  # one app at a time: each idle app's Ray actors cost CPU too
+            app = deploy_app(args, prefix)
+            measure(names[prefix], f"{url}{prefix}")
+            serve.delete(app)
         if args.haproxy:
             try:
                 child = start_haproxy_child(args)
+                hap = f"http://127.0.0.1:{args.port + 1}"
+                measure("HAProxy ingress, default app", f"{hap}/")
+                measure("HAProxy ingress, single deployment", f"{hap}/single/")
             except RuntimeError as e:
                 print(f"HAProxy variant not measured: {e}")
-        paths = {"today (core in replica thread)": "/inthread/", "default (core process)": "/",
-                 "single deployment": "/single/", **{f"stream_interval={k}": f"/si{k}/" for k in args.stream_intervals}}
-        paths = {k: v for k, v in paths.items() if v in apps_of(args)}
-        results: dict[tuple[str, bool], list] = {}
-        for _ in range(rounds):
-            for name, path in paths.items():
-                for stream in (False, True):
-                    r = asyncio.run(http_throughput(url, path, prompts, args.max_tokens, stream, args.model))
-                    key = (name, stream)
-                    if key not in results or r[1] / r[0] > results[key][1] / results[key][0]:
-                        results[key] = r
-        variants = {"today (in-thread core)": f"{url}/inthread/", "default (core process)": f"{url}/",
-                    "gRPC handle transport": f"{url}/grpc/", "single deployment": f"{url}/single/",
-                    "bare Serve app": f"{url}/floor/"}
-        variants = {k: v for k, v in variants.items() if v.removeprefix(url) in (*apps_of(args), "/floor/")}
+        start_apps(args)
+        variants = {**{names[prefix]: f"{url}{prefix}" for prefix in apps_of(args)}, "bare Serve app": f"{url}/floor/"}
         if child is not None:
             variants["HAProxy ingress"] = f"http://127.0.0.1:{args.port + 1}/"
+            variants["HAProxy ingress, single deployment"] = f"http://127.0.0.1:{args.port + 1}/single/"
             variants["HAProxy bare Serve app"] = f"http://127.0.0.1:{args.port + 1}/floor/"
         added = asyncio.run(http_ttfts(variants, ttft_prompts, args.model))
     finally:
@@ -310,10 +344,10 @@ def main() -> None:
             child.wait(timeout=120)
         stop_ray(args)
 
-    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds}) vs offline "
-          f"{off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
+    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds}, one app deployed at a time) "
+          f"vs offline {off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
     for (name, stream), (t, n, load_ttft, gaps) in results.items():
-        line = f"  {name:<32} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"
+        line = f"  {name:<36} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"
         if stream and gaps:
             line += (f"  TTFT p50 {ms(load_ttft):6.1f} ms  ITL p50 {ms(gaps):5.1f} ms p99 {ms(gaps, 0.99):6.1f} ms "
                      f"(p99/p50 {ms(gaps, 0.99) / ms(gaps):.2f})")
@@ -321,7 +355,7 @@ def main() -> None:
     print(f"TTFT added by the Serve layer (HTTP TTFT - replica's own first-delta time), {args.ttft_reps} requests "
           f"per variant, interleaved:")
     for name, xs in added.items():
-        print(f"  {name:<28}: p50 {ms(xs):6.2f} ms  p90 {ms(xs, 0.9):6.2f} ms")
+        print(f"  {name:<36}: p50 {ms(xs):6.2f} ms  p90 {ms(xs, 0.9):6.2f} ms")
 
 
 if __name__ == "__main__":

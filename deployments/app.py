@@ -80,6 +80,7 @@ class AppArgs(BaseModel):
     engine_core_process: bool = True
     topology: Literal["handle", "single"] = "handle"
     handle_transport: Literal["by_reference", "grpc"] = "by_reference"
+    token_channel: bool = True
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
     api_key: str | None = Field(None, min_length=1, repr=False)
@@ -179,8 +180,9 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: AppArgs) -> Application:
-    """topology "handle": Router -> (deployment handle, by reference or gRPC) -> LLMReplica; "single": one
-    deployment (deployments/server.py) holds both, no handle hop."""
+    """topology "handle": Router -> (deployment handle, by reference or gRPC) -> LLMReplica, a stream's later
+    chunks over the token channel unless token_channel is false; "single": one deployment
+    (deployments/server.py) holds both, no handle hop."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     push = args.stats_push_s if args.admission is not None else 0.0
     replica_args = dict(engine_args=args.engine_config(), torch_threads=args.torch_threads,
@@ -188,7 +190,8 @@ def build_app(args: AppArgs) -> Application:
                         engine_core_process=args.engine_core_process)
     router_args = (args.model, args.served_model_name, args.admission is not None, args.block_size,
                    args.revision, args.template_text(), args.tool_call_parser,
-                   GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics))
+                   GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
+                   args.token_channel and args.topology == "handle")
     if args.topology == "single":
         from deployments.server import LLMServer
         server = serve.deployment(name="LLMServer", health_check_period_s=5)(LLMServer)

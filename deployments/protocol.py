@@ -390,6 +390,7 @@ class GenerateRequest(BaseModel):
     priority: int = 0
     stream: bool = True
     cache_salt: str | None = None
+    reply_to: str | None = None  # the router's token channel (deployments/token_channel.py); None: all via Serve
 
 
 class Delta(TypedDict):
@@ -408,3 +409,6 @@ class Chunk(TypedDict, total=False):
     emitted_at: float
     ingress_s: float
     metrics: list[dict[str, Any]]
+    channel: bool  # the first chunk of a stream whose later chunks come over the token channel
+    last: bool  # the token channel's final chunk of a stream
+    sent: int  # the handle stream's closing item after channel chunks: how many were sent

@@ -13,6 +13,7 @@ from cluster.stats import ReplicaStats, push_due
 from deployments.metrics import ReplicaMetrics, wall
 from deployments.protocol import Chunk, Delta, GenerateRequest
 from deployments.responses import merge_deltas
+from deployments.token_channel import TokenOutbox
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
 ADMISSION_ACTOR = "admission"
@@ -40,6 +41,7 @@ class LLMReplica:
             self.replica_id = "local"
         self.metrics = ReplicaMetrics(self.engine.model_name, self.replica_id)
         self.stats_push_s, self._actor = stats_push_s, None
+        self.outbox = TokenOutbox()
         self._pusher = asyncio.create_task(self._push_loop()) if stats_push_s > 0 else None
 
     def admission(self) -> Any:
@@ -124,7 +126,7 @@ class LLMReplica:
                                                 req.cache_salt))
                  for idx, rid, prompt, sp in jobs]
         live = {idx: rid for idx, rid, _, _ in jobs}
-        start, first, pending = time.perf_counter(), True, []
+        start, first, pending, channel, sent = time.perf_counter(), True, [], None, 0
         try:
             while live:
                 new = [await queue.get()]
@@ -146,8 +148,18 @@ class LLMReplica:
                         chunk.update(replica=self.replica_id, stats=self.stats())
                         if not self.stats_push_s:
                             chunk.update(metrics=self.metrics.dump(self.engine.stats()))
-                    pending, first = [], False
+                    pending = []
+                    if channel is not None:
+                        chunk["last"] = not live
+                        self.outbox.send(channel, req.request_id, chunk)
+                        sent += 1
+                        continue
+                    if first and live and req.stream and req.reply_to:
+                        chunk["channel"], channel = True, req.reply_to
+                    first = False
                     yield chunk
+            if channel is not None:
+                yield Chunk(sent=sent)
         finally:
             for t in tasks:
                 t.cancel()
@@ -156,7 +168,10 @@ class LLMReplica:
 
     def __del__(self) -> None:
         pusher, actor, engine = getattr(self, "_pusher", None), getattr(self, "_actor", None), getattr(self, "engine", None)
-        self._pusher = self._actor = self.engine = None
+        outbox = getattr(self, "outbox", None)
+        self._pusher = self._actor = self.engine = self.outbox = None
+        if outbox is not None:
+            outbox.shutdown()
         if pusher is not None:
             pusher.cancel()
         if actor is not None:

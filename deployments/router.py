@@ -23,6 +23,7 @@ from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
 from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
+from deployments.token_channel import TokenInbox, follow
 from deployments.tool_parsers import TOOL_PARSERS
 from engine import SamplingParams
 from engine.chat_template import render_chat
@@ -56,9 +57,10 @@ class Router:
     async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
                        admission: bool = False, block_size: int = 16, revision: str | None = None,
                        chat_template: str | None = None, tool_call_parser: str = "hermes",
-                       guard: GuardConfig | None = None) -> None:
+                       guard: GuardConfig | None = None, token_channel: bool = True) -> None:
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
         self.replica = replica
+        self.inbox = TokenInbox() if token_channel else None
         self.streaming = replica.options(stream=True)
         self.model_name = served_model_name or model
         path = resolve_model(model, revision)
@@ -182,15 +184,23 @@ class Router:
                        retry_after_s=d.retry_after_s)
 
     async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
+        """The replica's chunks: the first over the handle stream, the rest over the token channel when the
+        replica opened it (streams only), else over the handle stream too."""
+        channel = self.inbox is not None and gen_req.stream
+        if channel:
+            gen_req.reply_to = self.inbox.address
+            queue = self.inbox.open(gen_req.request_id)
         gen = self.streaming.generate.remote(gen_req, routing_hint=hint, received_at=received_at)
         done = False
         self.drain.track(gen)
         try:
-            async for chunk in gen:
-                if "ingress_s" in chunk:
-                    self.metrics.serve_overhead(chunk["replica"], "ingress", chunk["ingress_s"])
-                if "metrics" in chunk:
-                    self.metrics.sources[chunk["replica"]] = chunk["metrics"]
+            first = await anext(gen, None)
+            if first is not None:
+                self._observe(first)
+                yield first
+            rest = follow(gen, queue) if first is not None and first.get("channel") else gen
+            async for chunk in rest:
+                self._observe(chunk)
                 yield chunk
             done = True
         except Exception:
@@ -198,9 +208,17 @@ class Router:
                 raise self.drain.timeout_error() from None
             raise
         finally:
+            if channel:
+                self.inbox.close(gen_req.request_id)
             self.drain.untrack(gen)
             if not done:
                 gen.cancel()
+
+    def _observe(self, chunk: Chunk) -> None:
+        if "ingress_s" in chunk:
+            self.metrics.serve_overhead(chunk["replica"], "ingress", chunk["ingress_s"])
+        if "metrics" in chunk:
+            self.metrics.sources[chunk["replica"]] = chunk["metrics"]
 
     async def run(self, req: SamplingRequest, gen_req: GenerateRequest, hint: RoutingHint, builder: ResponseBuilder,
                   start: float) -> Response:
