@@ -4,10 +4,10 @@ Prints: offline tok/s with the engine core in this thread and in its own process
 (whole responses and SSE streams; one app deployed at a time) for the default (core in its own process, token
 channel), the core in the replica's thread, streams without the token channel, gRPC handle transport, the
 single-deployment topology and a coarser stream_interval; inter-chunk latency (ITL) p50/p99 under that load;
-and, interleaved request by request with every app deployed, the TTFT the Serve layer adds on loopback (HTTP
-TTFT minus the replica's own time to first deltas), against a bare Serve app. --haproxy adds Ray Serve's
-HAProxy ingress (default app and single deployment), served by a second Ray cluster in a subprocess (the flag
-is per cluster). The client is aiohttp, in this process.
+and, per app, interleaved request by request with a bare Serve app, the TTFT the Serve layer adds on loopback
+(HTTP TTFT minus the replica's own time to first deltas). Prefix caching is off: runs repeat the prompts.
+--haproxy adds Ray Serve's HAProxy ingress (default app and single deployment), served by a second Ray
+cluster in a subprocess (the flag is per cluster). Rounds go over every app in turn. The client is aiohttp.
 
     python benchmarks/serving.py --num-prompts 64 --max-tokens 64
     python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
@@ -39,7 +39,8 @@ def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    # no prefix caching: every run sends the same prompts, and a warm cache would skip their prefill
+    return dict(dtype="float32", enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 num_blocks=args.num_blocks, max_model_len=args.max_model_len)
 
 
@@ -208,13 +209,6 @@ def deploy_app(args: argparse.Namespace, prefix: str) -> str:
     return name
 
 
-def start_apps(args: argparse.Namespace) -> None:
-    from ray import serve
-    for prefix in apps_of(args):
-        deploy_app(args, prefix)
-    serve.run(floor_app(), name="floor", route_prefix="/floor")
-
-
 def stop_ray(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
@@ -225,19 +219,28 @@ def stop_ray(args: argparse.Namespace) -> None:
 
 def serve_haproxy(args: argparse.Namespace) -> None:
     """Child mode: a Ray cluster of its own with RAY_SERVE_ENABLE_HA_PROXY=1 (set by the parent before Ray is
-    imported), the default app and the bare app; prints READY and serves until stdin closes."""
+    imported) and the bare app; each stdin line names an app prefix to deploy instead of the last one ("-":
+    none), answered READY; serves until stdin closes."""
     from ray import serve
-
-    from deployments.app import build_app
     start_ray(args, args.port)
     try:
-        serve.run(build_app(app_args(args)), name="default", route_prefix="/")
-        serve.run(build_app(app_args(args, **APPS["/single/"])), name="single", route_prefix="/single")
         serve.run(floor_app(), name="floor", route_prefix="/floor")
         print("READY", flush=True)
-        sys.stdin.read()
+        current = None
+        for line in sys.stdin:
+            if current is not None:
+                serve.delete(current)
+            current = deploy_app(args, line.strip()) if line.strip() != "-" else None
+            print("READY", flush=True)
     finally:
         stop_ray(args)
+
+
+def haproxy_deploy(child: subprocess.Popen, prefix: str) -> None:
+    child.stdin.write(prefix + "\n")
+    child.stdin.flush()
+    if (line := child.stdout.readline()).strip() != "READY":
+        raise RuntimeError(f"HAProxy cluster did not deploy {prefix}: {line!r}")
 
 
 def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
@@ -308,43 +311,46 @@ def main() -> None:
              **{f"/si{k}/": f"stream_interval={k}" for k in args.stream_intervals}}
     url, child = f"http://127.0.0.1:{args.port}", None
     results: dict[tuple[str, bool], list] = {}
+    added: dict[str, tuple[list[float], list[float]]] = {}
 
-    def measure(name: str, prefix_url: str) -> None:
-        for _ in range(rounds):
-            for stream in (False, True):
-                r = asyncio.run(http_throughput(prefix_url, prompts, args.max_tokens, stream, args.model))
-                if (name, stream) not in results or r[1] / r[0] > results[name, stream][1] / results[name, stream][0]:
-                    results[name, stream] = r
+    def measure(name: str, prefix_url: str, floor_url: str) -> None:
+        """Throughput (the best round kept), then the TTFT the Serve layer adds, interleaved with the bare app."""
+        for stream in (False, True):
+            r = asyncio.run(http_throughput(prefix_url, prompts, args.max_tokens, stream, args.model))
+            if (name, stream) not in results or r[1] / r[0] > results[name, stream][1] / results[name, stream][0]:
+                results[name, stream] = r
+        ttfts = asyncio.run(http_ttfts({name: prefix_url, "bare Serve app": floor_url}, ttft_prompts, args.model))
+        mine, bare = added.setdefault(name, ([], []))
+        mine += ttfts[name]
+        bare += ttfts["bare Serve app"]
 
     try:
         from ray import serve
         start_ray(args, args.port)
-        for prefix in apps_of(args):  # one app at a time: each idle app's Ray actors cost CPU too
-            app = deploy_app(args, prefix)
-            measure(names[prefix], f"{url}{prefix}")
-            serve.delete(app)
+        serve.run(floor_app(), name="floor", route_prefix="/floor")
         if args.haproxy:
             try:
                 child = start_haproxy_child(args)
-                hap = f"http://127.0.0.1:{args.port + 1}"
-                measure("HAProxy ingress, default app", f"{hap}/")
-                measure("HAProxy ingress, single deployment", f"{hap}/single/")
             except RuntimeError as e:
                 print(f"HAProxy variant not measured: {e}")
-        start_apps(args)
-        variants = {**{names[prefix]: f"{url}{prefix}" for prefix in apps_of(args)}, "bare Serve app": f"{url}/floor/"}
-        if child is not None:
-            variants["HAProxy ingress"] = f"http://127.0.0.1:{args.port + 1}/"
-            variants["HAProxy ingress, single deployment"] = f"http://127.0.0.1:{args.port + 1}/single/"
-            variants["HAProxy bare Serve app"] = f"http://127.0.0.1:{args.port + 1}/floor/"
-        added = asyncio.run(http_ttfts(variants, ttft_prompts, args.model))
+        hap = f"http://127.0.0.1:{args.port + 1}"
+        for _ in range(rounds):  # one model app deployed at a time: each idle app's Ray actors cost CPU too
+            for prefix in apps_of(args):
+                app = deploy_app(args, prefix)
+                measure(names[prefix], f"{url}{prefix}", f"{url}/floor/")
+                serve.delete(app)
+            if child is not None:
+                for prefix, name in (("/", "HAProxy ingress, default app"), ("/single/", "HAProxy ingress, single deployment")):
+                    haproxy_deploy(child, prefix)
+                    measure(name, f"{hap}{prefix}", f"{hap}/floor/")
+                haproxy_deploy(child, "-")
     finally:
         if child is not None:
             child.stdin.close()
             child.wait(timeout=120)
         stop_ray(args)
 
-    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds}, one app deployed at a time) "
+    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds} rounds, one model app deployed at a time) "
           f"vs offline {off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
     for (name, stream), (t, n, load_ttft, gaps) in results.items():
         line = f"  {name:<36} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"
@@ -352,11 +358,11 @@ def main() -> None:
             line += (f"  TTFT p50 {ms(load_ttft):6.1f} ms  ITL p50 {ms(gaps):5.1f} ms p99 {ms(gaps, 0.99):6.1f} ms "
                      f"(p99/p50 {ms(gaps, 0.99) / ms(gaps):.2f})")
         print(line)
-    print(f"TTFT added by the Serve layer (HTTP TTFT - replica's own first-delta time), {args.ttft_reps} requests "
-          f"per variant, interleaved:")
-    for name, xs in added.items():
-        print(f"  {name:<36}: p50 {ms(xs):6.2f} ms  p90 {ms(xs, 0.9):6.2f} ms")
-
+    print(f"TTFT added by the Serve layer (HTTP TTFT - replica's own first-delta time), {args.ttft_reps} requests per "
+          f"round, interleaved with a bare Serve app on the same ingress (Serve's proxy or HAProxy):")
+    for name, (xs, bare) in added.items():
+        print(f"  {name:<36}: p50 {ms(xs):6.2f} ms  p90 {ms(xs, 0.9):6.2f} ms   bare app p50 {ms(bare):6.2f} ms  "
+              f"difference {ms(xs) - ms(bare):+6.2f} ms")
 
 if __name__ == "__main__":
     main()
