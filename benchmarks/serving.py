@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/kernels.py shadows kernels/
 sys.path.insert(0, str(HERE.parent))
 import aiohttp  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -94,6 +95,26 @@ async def http_request(client: aiohttp.ClientSession, url: str, prompt: list[int
     if gaps is not None:
         gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
     return ttft, replica_ms(r.headers), tokens
+
+
+ROLES = (("engine.core_process", "core"), ("LLMReplica", "replica"), ("LLMServer", "server"), ("Router", "router"),
+         ("ProxyActor", "proxy"), ("bin/haproxy", "haproxy"))
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of this machine's processes, summed by role (the rest: Ray's own, other apps);
+    CPU per token is steadier than tok/s on a shared machine."""
+    totals: dict[str, float] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        try:
+            cmd, t = " ".join(proc.info["cmdline"] or []), proc.info["cpu_times"]
+        except (psutil.Error, TypeError):
+            continue
+        if t is None:
+            continue
+        role = "client" if proc.info["pid"] == os.getpid() else next((r for key, r in ROLES if key in cmd), "other")
+        totals[role] = totals.get(role, 0.0) + t.user + t.system
+    return totals
 
 
 def session(connections: int) -> aiohttp.ClientSession:
@@ -316,9 +337,12 @@ def main() -> None:
     def measure(name: str, prefix_url: str, floor_url: str) -> None:
         """Throughput (the best round kept), then the TTFT the Serve layer adds, interleaved with the bare app."""
         for stream in (False, True):
+            before = cpu_by_role()
             r = asyncio.run(http_throughput(prefix_url, prompts, args.max_tokens, stream, args.model))
+            after = cpu_by_role()
+            used = {k: 1000 * (after[k] - before.get(k, 0.0)) / r[1] for k in after}  # ms per token
             if (name, stream) not in results or r[1] / r[0] > results[name, stream][1] / results[name, stream][0]:
-                results[name, stream] = r
+                results[name, stream] = (*r, used)
         ttfts = asyncio.run(http_ttfts({name: prefix_url, "bare Serve app": floor_url}, ttft_prompts, args.model))
         mine, bare = added.setdefault(name, ([], []))
         mine += ttfts[name]
@@ -352,12 +376,16 @@ def main() -> None:
 
     print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds} rounds, one model app deployed at a time) "
           f"vs offline {off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
-    for (name, stream), (t, n, load_ttft, gaps) in results.items():
+    for (name, stream), (t, n, load_ttft, gaps, _) in results.items():
         line = f"  {name:<36} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"
         if stream and gaps:
             line += (f"  TTFT p50 {ms(load_ttft):6.1f} ms  ITL p50 {ms(gaps):5.1f} ms p99 {ms(gaps, 0.99):6.1f} ms "
                      f"(p99/p50 {ms(gaps, 0.99) / ms(gaps):.2f})")
         print(line)
+    print("CPU ms per output token by process, in the run kept above (both Ray clusters' processes counted):")
+    for (name, stream), (*_, used) in results.items():
+        parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        print(f"  {name:<36} {'stream' if stream else 'whole ':<6}: total {sum(used.values()):.3f} = {parts}")
     print(f"TTFT added by the Serve layer (HTTP TTFT - replica's own first-delta time), {args.ttft_reps} requests per "
           f"round, interleaved with a bare Serve app on the same ingress (Serve's proxy or HAProxy):")
     for name, (xs, bare) in added.items():
