@@ -218,7 +218,8 @@ def start_ray(args: argparse.Namespace, port: int) -> None:
 def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """--quick: the default and the default without the token channel (each app loads a model replica)."""
     extra = {f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}
-    return {**(QUICK_APPS if args.quick else APPS), **extra}
+    apps = {**(QUICK_APPS if args.quick else APPS), **extra}
+    return apps if args.apps is None else {k: v for k, v in apps.items() if k in args.apps}
 
 
 def deploy_app(args: argparse.Namespace, prefix: str) -> str:
@@ -301,6 +302,7 @@ def main() -> None:
     p.add_argument("--stream-interval", type=int, default=1, help="replica: tokens per stream output (default app)")
     p.add_argument("--stream-intervals", type=int, nargs="*", default=[4], help="extra apps with these intervals")
     p.add_argument("--haproxy", action="store_true", help="also measure Ray Serve's HAProxy ingress")
+    p.add_argument("--apps", nargs="*", default=None, help=f"only these app prefixes ({', '.join(APPS)}, /siK/)")
     p.add_argument("--serve-haproxy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--quick", action="store_true",

@@ -17,7 +17,7 @@ from deployments.protocol import Chunk
 from deployments.responses import merge_deltas
 
 log = logging.getLogger("ray.serve")
-MAX_QUEUED_MESSAGES = 100_000
+MAX_QUEUED_MESSAGES = 10_000  # per router: minutes of engine steps; a router that far behind is gone
 
 
 class TokenInbox:
