@@ -45,19 +45,18 @@ class TokenInbox:
         self.queues.pop(request_id, None)
 
     async def _read(self) -> None:
+        """Socket errors end the reader (the next open() starts another); a bad message is skipped."""
         while True:
+            frame = await self.socket.recv(copy=False)
             try:
-                items = self.decoder.decode(await self.socket.recv(copy=False))
-            except asyncio.CancelledError:
-                raise
+                for request_id, chunk in self.decoder.decode(frame):
+                    queue = self.queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
             except Exception as e:
                 log.warning("token channel: unreadable message: %r", e)
                 continue
             self.messages += 1
-            for request_id, chunk in items:
-                queue = self.queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(chunk)
 
     def shutdown(self) -> None:
         if self.reader is not None:

@@ -106,3 +106,23 @@ def test_a_backlog_leaves_as_one_merged_chunk() -> None:
     assert len(got) == 1 and got[0]["last"]
     assert got[0]["deltas"] == [{"index": 0, "text": "t0t1t2t3", "token_ids": [0, 1, 2, 3],
                                  "logprobs": [{0: -0.5}, {1: -0.5}, {2: -0.5}, {3: -0.5}], "finish_reason": "length"}]
+
+
+def test_an_unreadable_message_is_skipped() -> None:
+    async def main() -> list:
+        import zmq
+        inbox = TokenInbox()
+        queue = inbox.open("a")
+        rogue = zmq.Context.instance().socket(zmq.PUSH)
+        rogue.connect(inbox.address)
+        rogue.send(b"\xc1 not msgpack")
+        rogue.send(b"\x93\x01\x02\x03")  # msgpack, but not a list of (request id, chunk) pairs
+        outbox = TokenOutbox()
+        outbox.send(inbox.address, "a", chunk(7, last=True))
+        got = [c async for c in follow(handle_stream([{"sent": 1}]), queue)]
+        rogue.close(0)
+        inbox.shutdown(), outbox.shutdown()
+        return got
+
+    got = asyncio.run(main())
+    assert [c["deltas"][0]["token_ids"] for c in got] == [[7]]
