@@ -94,7 +94,7 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                     await r.aread()
                     return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "refused": refused,
                             "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
-                ttft, tokens = await read_completion_stream(r, start)
+                ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
         except httpx.HTTPError as e:
             return {"status": -1, "error": repr(e), "refused": refused}
         return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": tokens,

@@ -33,6 +33,8 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.sse import aiohttp_lines, read_completion_stream  # noqa: E402
+
 
 def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -62,23 +64,6 @@ def replica_ms(headers: Any) -> float:
     return float(timing["replica"])
 
 
-async def read_stream(r: aiohttp.ClientResponse, start: float, arrivals: list[float]) -> tuple[float | None, int]:
-    """Time to the first non-empty text delta, completion tokens from usage; each content chunk's arrival."""
-    ttft, tokens = None, 0
-    async for raw in r.content:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        elif chunk["choices"] and chunk["choices"][0]["text"]:
-            now = time.perf_counter()
-            ttft = now - start if ttft is None else ttft
-            arrivals.append(now)
-    return ttft, tokens
-
-
 async def http_request(client: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, stream: bool,
                        model: str, gaps: list[float] | None = None) -> tuple[float | None, float, int]:
     """aiohttp, as vLLM's serving benchmark uses: on 2 shared cores the client's own CPU is part of the load
@@ -91,7 +76,7 @@ async def http_request(client: aiohttp.ClientSession, url: str, prompt: list[int
         if not stream:
             return None, replica_ms(r.headers), (await r.json())["usage"]["completion_tokens"]
         arrivals: list[float] = []
-        ttft, tokens = await read_stream(r, start, arrivals)
+        ttft, tokens = await read_completion_stream(aiohttp_lines(r), start, arrivals)
     if gaps is not None:
         gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
     return ttft, replica_ms(r.headers), tokens

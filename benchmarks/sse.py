@@ -1,15 +1,17 @@
 import json
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
-import httpx
 
-
-async def read_completion_stream(r: httpx.Response, start: float,
+async def read_completion_stream(lines: AsyncIterator[str], start: float,
                                  arrivals: list[float] | None = None) -> tuple[float | None, int]:
-    """Time to the first non-empty text delta since `start`, and completion tokens from usage; appends each
-    content chunk's arrival time (perf_counter) to `arrivals` when given."""
+    """Over an SSE body's lines (httpx `aiter_lines()`, aiohttp `aiohttp_lines()`): time to the first
+    non-empty text delta since `start`, and completion tokens from usage; appends each content chunk's
+    arrival time (perf_counter) to `arrivals` when given."""
     ttft, tokens = None, 0
-    async for line in r.aiter_lines():
+    async for line in lines:
+        line = line.strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[6:])
@@ -21,3 +23,8 @@ async def read_completion_stream(r: httpx.Response, start: float,
             if arrivals is not None:
                 arrivals.append(now)
     return ttft, tokens
+
+
+async def aiohttp_lines(response: Any) -> AsyncIterator[str]:
+    async for raw in response.content:
+        yield raw.decode()

@@ -28,8 +28,8 @@ class TokenInbox:
         self.socket = self.ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, MAX_QUEUED_MESSAGES)
         self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port(f"tcp://{ray.util.get_node_ip_address()}")
-        self.address = f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        host = f"tcp://{ray.util.get_node_ip_address()}"
+        self.address = f"{host}:{self.socket.bind_to_random_port(host)}"
         self.queues: dict[str, asyncio.Queue] = {}
         self.decoder = msgspec.msgpack.Decoder()
         self.reader: asyncio.Task | None = None
