@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from benchmarks.sse import read_completion_stream
+from deployments.ingress import haproxy_enabled, use_haproxy
 
 ROUTERS = {"kv": "KV-aware (real KV contents + headroom + queue)", "p2c": "Ray default (power of two)"}
 
@@ -93,12 +94,23 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                 if r.status_code != 200:
                     await r.aread()
                     return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "refused": refused,
+                            "latency": time.perf_counter() - start,
                             "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
+                router_s = server_timing(r.headers.get("server-timing", ""), "router")
                 ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
         except httpx.HTTPError as e:
             return {"status": -1, "error": repr(e), "refused": refused}
         return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": tokens,
-                "refused": refused}
+                "refused": refused, "router_ttft": router_s}
+
+
+def server_timing(header: str, name: str) -> float | None:
+    """A duration (s) from a Server-Timing header: `router;dur=12.3, replica;dur=4.5`."""
+    for part in header.split(","):
+        key, _, dur = part.strip().partition(";dur=")
+        if key == name and dur:
+            return float(dur) / 1000
+    return None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -109,6 +121,8 @@ def start_ray(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
     args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-cluster-", dir="/tmp")
+    use_haproxy(args.haproxy, args.temp_dir)
+    print(f"ingress: {'HAProxy, direct to the router replicas' if args.haproxy else 'Serve proxy'}", flush=True)
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
              _temp_dir=args.temp_dir, _node_ip_address="127.0.0.1", object_store_memory=256 * 2**20)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -309,6 +323,12 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
           f"| pools whole after |\n|---:|---:|---:|---:|---:|---:|---:|---|\n| {len(results)} | {len(ok)} | "
           f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost} | {pct(ttft, .5):.2f} s | "
           f"{pct(ttft, .99):.2f} s | {whole} |")
+    router_ttft = [r["router_ttft"] for r in ok if r.get("router_ttft") is not None]
+    if router_ttft and refused:
+        refusal = [r["latency"] for r in refused]
+        print(f"admitted TTFT inside the router (Server-Timing) p50/p99 {pct(router_ttft, .5):.2f} / "
+              f"{pct(router_ttft, .99):.2f} s; a 429's latency at the client p50/p99 {pct(refusal, .5):.2f} / "
+              f"{pct(refusal, .99):.2f} s")
     if lost:
         print("lost:", [r for r in results if r not in ok and r not in refused][:5])
     peak = max((p for _, rows, _ in samples for p in rows.values()), default=0.0)
@@ -354,6 +374,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--ray-cpus", type=int, default=2)
     p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--haproxy", action=argparse.BooleanOptionalAction,
+                   default=haproxy_enabled(),
+                   help="Serve's HAProxy ingress (direct ingress to the routers) instead of Serve's proxy")
     args = p.parse_args()
     import ray
     from ray import serve

@@ -34,6 +34,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.sse import aiohttp_lines, read_completion_stream  # noqa: E402
+from deployments.ingress import haproxy_env  # noqa: E402
 
 
 def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -257,8 +258,7 @@ def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
            "--stream-interval", str(args.stream_interval), "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--num-blocks", str(args.num_blocks),
            "--max-model-len", str(args.max_model_len)]
-    env = {**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC":
-           f"/tmp/haproxy-bench-{os.getpid()}/haproxy.cfg"}
+    env = {**os.environ, **haproxy_env(f"/tmp/haproxy-bench-{os.getpid()}")}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if line.strip() != "READY":

@@ -1,5 +1,6 @@
 """One real Ray Serve app on 127.0.0.1 for a test module, and the checks every end-to-end test ends with."""
 import json
+import os
 import re
 import shutil
 import socket
@@ -14,6 +15,8 @@ import httpx
 import ray
 from ray import serve
 
+from deployments.ingress import use_haproxy
+
 TEMP_DIRS: list[str] = []
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96,
               max_model_len=512)
@@ -25,9 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ray(env: dict[str, str] | None = None) -> str:
+ALL_HAPROXY = os.environ.get("CONVEYOR_TEST_INGRESS") == "haproxy"
+
+
+def start_ray(env: dict[str, str] | None = None, haproxy: bool = False) -> str:
+    """A local Ray cluster; `haproxy`: behind Serve's HAProxy ingress (the README's serve command), else Serve's
+    proxy; CONVEYOR_TEST_INGRESS=haproxy puts every cluster of the suite behind HAProxy."""
     tmp = tempfile.mkdtemp(prefix="ray-serve-", dir="/tmp")
     TEMP_DIRS.append(tmp)
+    use_haproxy(haproxy or ALL_HAPROXY, tmp)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
              object_store_memory=200 * 2**20, log_to_driver=False,
              runtime_env={"env_vars": env} if env else None)
@@ -112,9 +121,9 @@ def assert_pool_whole(app: Any) -> None:
 
 @contextmanager
 def serve_app(args: dict[str, Any], env: dict[str, str] | None = None, headers: dict[str, str] | None = None,
-              name: str = "default") -> Iterator[App]:
+              name: str = "default", haproxy: bool = False) -> Iterator[App]:
     from deployments.app import deploy
-    start_ray(env)
+    start_ray(env, haproxy)
     port = free_port()
     try:
         deploy({"num_replicas": 1, "replica_num_cpus": 0.5, "router_num_cpus": 0.5, "torch_threads": 1,
@@ -135,7 +144,8 @@ SHARED_ARGS: dict[str, Any] = {
     "engine": {"max_num_seqs": 1, "max_num_batched_tokens": 8, "num_blocks": 48, "enable_prefix_caching": True},
     "admission": {"count_output_blocks": True, "queue_timeout_s": 5.0, "max_queued": 4, "retry_after_s": 1.0},
 }
-"""The app the HTTP reliability modules share (starting Serve costs ~30 s or more here): one sequence at a
+"""The app the HTTP reliability modules share (starting Serve costs ~30 s or more here), behind HAProxy as the
+README serves (the other modules' apps use Serve's proxy, so the suite covers both ingresses): one sequence at a
 time and 8-token prefill chunks, so a test can catch a request waiting, in prefill or in decode; a 48-block
 pool that two long requests overfill, so admission queues and refuses."""
 _shared: list[Any] = []
@@ -143,7 +153,7 @@ _shared: list[Any] = []
 
 def shared_app() -> App:
     if not _shared:
-        ctx = serve_app(SHARED_ARGS, headers={"Authorization": f"Bearer {API_KEY}"})
+        ctx = serve_app(SHARED_ARGS, headers={"Authorization": f"Bearer {API_KEY}"}, haproxy=True)
         _shared.extend([ctx, ctx.__enter__()])
     return _shared[1]
 

@@ -73,6 +73,7 @@ def test_binds_loopback_only(conveyor_app: App) -> None:
     port = int(conveyor_app.url.rsplit(":", 1)[1])
     listening = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}
+    assert {psutil.Process(c.pid).name() for c in listening} == {"haproxy"}  # the README's ingress, not Serve's proxy
 
 
 def test_prompts_and_keys_not_logged(conveyor_app: App) -> None:

@@ -42,7 +42,7 @@ def test_serve_run_config(tmp_path: Path) -> None:
     config["http_options"]["port"] = port
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
-    address = start_ray()
+    address = start_ray(haproxy=True)  # the README's command: RAY_SERVE_ENABLE_HA_PROXY=1 serve run serve_config.yaml
     proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
