@@ -191,7 +191,11 @@ class AdmissionController:
 
     def room(self, replica_id: str) -> int:
         e, bs = self.replicas[replica_id], self.config.block_size
-        growth = -(-sum(e.stats.tokens_left) // bs) if self.config.count_output_blocks else 0
+        growth = 0
+        if self.config.count_output_blocks:
+            growth = e.stats.num_growth_blocks
+            if growth is None:
+                growth = -(-sum(e.stats.tokens_left) // bs)
         return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
 
     def pending_keys(self, replica_id: str) -> set[bytes]:

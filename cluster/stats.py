@@ -31,6 +31,7 @@ class ReplicaStats(KVUsage):
     num_decode_tokens: int = 0
     num_steps: int = 0
     tokens_left: tuple[int, ...] = ()
+    num_growth_blocks: int | None = None  # None: a replica that does not report it (growth from tokens_left)
     timestamp: float = 0.0
 
     @classmethod

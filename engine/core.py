@@ -40,6 +40,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._structured: "StructuredOutputManager | None" = None
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
+        self._growth = (float("-inf"), 0)
         self.reported: dict[str, int] = {}
         self.num_finished = self.num_aborted = 0
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
@@ -178,7 +179,25 @@ class EngineCore:
             num_finished=self.num_finished, num_aborted=self.num_aborted, max_num_seqs=self.config.max_num_seqs,
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
-            tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64])
+            tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64],
+            num_growth_blocks=self.growth_blocks())
+
+    def growth_blocks(self, every_s: float = 0.02) -> int:
+        """Blocks the running and waiting requests still allocate if each runs to its max_tokens (a waiting
+        prompt's own blocks are in num_waiting_tokens). Recounted at most every `every_s`: stats go out every
+        step, and the count costs ~0.14 ms at 256 running requests; its readers (admission) poll every 100 ms."""
+        now = time.monotonic()
+        if now - self._growth[0] < every_s:
+            return self._growth[1]
+        kv, limit = self.block_manager, self.config.max_model_len
+
+        def final(q: Sequence) -> int:
+            return kv.blocks_for(min(limit, q.num_tokens + q.params.max_tokens - q.num_output_tokens))
+        growth = (sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in self.scheduler.running)
+                  + sum(final(q) - kv.blocks_for(q.num_tokens)
+                        for q in [*self.scheduler.waiting, *(q for q, _ in self.compiling.values())]))
+        self._growth = (now, growth)
+        return growth
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
         return self.block_manager.drain_kv_events(max_events)

@@ -256,3 +256,24 @@ def test_count_output_blocks_charges_max_tokens_growth():
     assert off.decide(10, 0.0, output_blocks=30).admit and not on.decide(10, 0.0, output_blocks=30).admit
     d = on.decide(10, 0.0, output_blocks=20)
     assert d.admit and d.new_blocks == 30
+
+
+def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
+    """The engine's stat that count_output_blocks charges: every request's blocks still to come if it runs to
+    max_tokens, waiting ones included (before, only running requests' tokens_left were summed)."""
+    from engine import LLM, SamplingParams
+    llm = LLM("demo:tiny", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=1, max_num_batched_tokens=64)
+    engine = llm.engine
+    for i, (prompt, out) in enumerate([(20, 30), (40, 100)]):
+        engine.add_request(str(i), list(range(5, 5 + prompt)), SamplingParams(max_tokens=out, ignore_eos=True))
+    engine.step()  # request 0 runs (its 20 prompt tokens in 2 blocks, 1 sampled), request 1 waits (one sequence)
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting) == (1, 1)
+    running = math.ceil((20 + 30) / 16) - 2  # 4 blocks at max_tokens, 2 held
+    waiting = math.ceil((40 + 100) / 16) - math.ceil(40 / 16)  # its prompt's 3 blocks are in num_waiting_tokens
+    assert s.num_growth_blocks == running + waiting == 2 + 6
+    c = AdmissionController(AdmissionConfig(count_output_blocks=True))
+    c.update(ReplicaStats.from_engine("r", s), 0.0)
+    assert c.room("r") == s.kv_blocks_free - math.ceil(s.num_waiting_tokens / 16) - 8
+    while engine.has_unfinished_requests():
+        engine.step()
