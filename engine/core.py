@@ -40,7 +40,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._structured: "StructuredOutputManager | None" = None
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
-        self._growth = (float("-inf"), 0)
+        self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
         self.num_finished = self.num_aborted = 0
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
@@ -184,11 +184,13 @@ class EngineCore:
 
     def growth_blocks(self, every_s: float = 0.02) -> int:
         """Blocks the running and waiting requests still allocate if each runs to its max_tokens (a waiting
-        prompt's own blocks are in num_waiting_tokens). Recounted at most every `every_s`: stats go out every
-        step, and the count costs ~0.14 ms at 256 running requests; its readers (admission) poll every 100 ms."""
-        now = time.monotonic()
-        if now - self._growth[0] < every_s:
-            return self._growth[1]
+        prompt's own blocks are in num_waiting_tokens). Stats go out every step, and the count costs ~0.14 ms
+        at 256 running requests, so while the same requests run it is recounted at most every `every_s` (its
+        readers poll every 100 ms); a request that starts, waits or leaves recounts it at once."""
+        s, now = self.scheduler, time.monotonic()
+        key = (len(s.running), len(s.waiting), len(self.compiling), self.num_finished)
+        if key == self._growth[1] and now - self._growth[0] < every_s:
+            return self._growth[2]
         kv, limit = self.block_manager, self.config.max_model_len
 
         def final(q: Sequence) -> int:
@@ -196,7 +198,7 @@ class EngineCore:
         growth = (sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in self.scheduler.running)
                   + sum(final(q) - kv.blocks_for(q.num_tokens)
                         for q in [*self.scheduler.waiting, *(q for q, _ in self.compiling.values())]))
-        self._growth = (now, growth)
+        self._growth = (now, key, growth)
         return growth
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:

@@ -275,5 +275,8 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     c = AdmissionController(AdmissionConfig(count_output_blocks=True))
     c.update(ReplicaStats.from_engine("r", s), 0.0)
     assert c.room("r") == s.kv_blocks_free - math.ceil(s.num_waiting_tokens / 16) - 8
+    core = engine.core.core  # the EngineCore, in process; the recount is rate-limited while the same requests run...
+    assert core.growth_blocks(every_s=1e9) == 8
     while engine.has_unfinished_requests():
         engine.step()
+    assert core.growth_blocks(every_s=1e9) == 0  # ...but not once they leave: no phantom growth on an idle replica
