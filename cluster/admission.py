@@ -50,7 +50,9 @@ class AdmissionConfig:
     staleness_s: float = 0.5
     drop_after_s: float = 10.0
     retry_after_s: float = 1.0
-    settle_s: float = 0.3
+    settle_s: float = 0.3  # replicas that do not report num_added: settle by time
+    settle_max_s: float = 2.0  # replicas that do: settle on arrival, or after this if the request never arrives
+    arrival_credit_s: float = 0.5  # an arrival counted before its reservation reached the actor settles it later
     queue_timeout_s: float = 0.0
     max_queued: int = 0
     block_size: int = BLOCK_SIZE
@@ -70,6 +72,7 @@ class AdmissionConfig:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
         assert 0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"
         assert self.settle_s >= 0.0 and self.retry_after_s >= 0.0 and self.block_size >= 1
+        assert self.settle_max_s >= 0.0 and self.arrival_credit_s >= 0.0, "settle_max_s, arrival_credit_s >= 0"
         assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
         assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
         assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
@@ -122,6 +125,7 @@ class AdmissionController:
         self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
         self.kv = KVIndex()
         self.hot = HotBlocks(self.config.hot_window_s)
+        self._arrived: dict[str, list[list[float]]] = {}  # per replica: [time, sequences] not matched yet
 
     def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
         """Takes a stats push (and its KV events); True when the replica must list its KV keys (reset)."""
@@ -133,17 +137,49 @@ class AdmissionController:
         if self.config.saturate_on_preemption and prev and stats.num_preemptions > prev.stats.num_preemptions:
             saturated = True
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
-        self._settle(stats.replica_id)
+        if prev is not None and stats.num_added is not None and prev.stats.num_added is not None:
+            self._count_arrivals(stats.replica_id, stats.num_added - prev.stats.num_added, now)
+        self._settle(stats.replica_id, now)
         if kv_events is None:
             return False
         return self.kv.apply(stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()),
                              bool(kv_events.get("reset")))
 
-    def _settle(self, replica_id: str) -> None:
-        """Drop reservations that stats received at least `settle_s` after them already include."""
+    def _credit(self, replica_id: str, now: float) -> list[list[float]]:
+        """Arrivals counted in the last `arrival_credit_s` that no reservation has claimed yet."""
+        credit = [c for c in self._arrived.get(replica_id, ()) if now - c[0] <= self.config.arrival_credit_s]
+        self._arrived[replica_id] = credit
+        return credit
+
+    def _count_arrivals(self, replica_id: str, sequences: int, now: float) -> None:
+        if sequences > 0:
+            self._credit(replica_id, now).append([now, sequences])
+
+    def _take_arrivals(self, replica_id: str, sequences: int, now: float) -> bool:
+        credit = self._credit(replica_id, now)
+        if sum(c[1] for c in credit) < sequences:
+            return False
+        while sequences:
+            used = min(sequences, credit[0][1])
+            credit[0][1] -= used
+            sequences -= used
+            if not credit[0][1]:
+                credit.pop(0)
+        return True
+
+    def _settle(self, replica_id: str, now: float) -> None:
+        """Drop reservations the replica's stats already include. A replica that counts the requests it took in
+        (num_added) settles them on arrival, oldest first (a reservation whose request never arrives: after
+        `settle_max_s`); else a reservation settles once stats received `settle_s` after it."""
         entry = self.replicas.get(replica_id)
-        left = [r for r in self._reserved.get(replica_id, ())
-                if entry is not None and entry.received_at < r.at + self.config.settle_s]
+        by_arrival = entry is not None and entry.stats.num_added is not None
+        limit = self.config.settle_max_s if by_arrival else self.config.settle_s
+        left = []
+        for r in sorted(self._reserved.get(replica_id, ()), key=lambda r: r.at):
+            if entry is None or (by_arrival and self._take_arrivals(replica_id, r.requests, now)):
+                continue
+            if entry.received_at < r.at + limit:
+                left.append(r)
         if left:
             self._reserved[replica_id] = left
         else:
@@ -152,6 +188,7 @@ class AdmissionController:
     def forget(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
         self._reserved.pop(replica_id, None)
+        self._arrived.pop(replica_id, None)
         self.kv.forget(replica_id)
         self.hot.forget(replica_id)
 
@@ -250,7 +287,7 @@ class AdmissionController:
         if replica_id in self.replicas:
             self._reserved.setdefault(replica_id, []).append(
                 Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
-            self._settle(replica_id)
+            self._settle(replica_id, now)
             self.hot.record(replica_id, keys, now)
 
     def take_reservations(self) -> list[Reservation]:
@@ -386,7 +423,7 @@ class AdmissionController:
         if "changes" in kv:
             self.kv.load(kv["changes"])
         for rid in list(self._reserved):
-            self._settle(rid)
+            self._settle(rid, now)
 
     @classmethod
     def from_snapshot(cls, snapshot: dict[str, Any], now: float) -> "AdmissionController":

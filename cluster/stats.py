@@ -25,6 +25,7 @@ class ReplicaStats(KVUsage):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_finished: int = 0
+    num_added: int | None = None  # None: a replica that does not report it (reservations settle by time)
     max_num_seqs: int = 0
     busy_time_s: float = 0.0
     num_prefill_tokens: int = 0

@@ -42,7 +42,7 @@ class EngineCore:
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
         self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
-        self.num_finished = self.num_aborted = 0
+        self.num_finished = self.num_aborted = self.num_added = 0
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
         self.step_trace = StepTrace()
 
@@ -71,6 +71,7 @@ class EngineCore:
         else:
             self.scheduler.add(seq)
         self.reported[rid] = 0
+        self.num_added += 1
 
     def finish_requests(self, request_ids: list[str], reason: str = "abort",
                         stop_reasons: list[str | None] | None = None) -> list[CoreOutput]:
@@ -176,7 +177,8 @@ class EngineCore:
             + sum(q.num_tokens for q, _ in self.compiling.values()),
             num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
-            num_finished=self.num_finished, num_aborted=self.num_aborted, max_num_seqs=self.config.max_num_seqs,
+            num_finished=self.num_finished, num_aborted=self.num_aborted, num_added=self.num_added,
+            max_num_seqs=self.config.max_num_seqs,
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
             tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64],

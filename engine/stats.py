@@ -37,6 +37,7 @@ class EngineStats(KVUsage):
     prefix_cache_hits: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_added: int = 0  # cumulative requests (sequences) the engine took in: admission settles reservations on it
     max_num_seqs: int = 0
     busy_time_s: float = 0.0  # cumulative wall time inside step(): rates below are per busy second
     num_prefill_tokens: int = 0  # cumulative tokens computed that sampled nothing (prompt, recompute)

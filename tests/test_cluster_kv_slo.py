@@ -280,3 +280,33 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     while engine.has_unfinished_requests():
         engine.step()
     assert core.growth_blocks(every_s=1e9) == 0  # ...but not once they leave: no phantom growth on an idle replica
+
+
+def test_reservations_settle_on_arrival_when_the_replica_counts_them():
+    """A replica that reports num_added settles reservations when its requests arrive, not 0.3 s later: one
+    whose request is late stays counted (two routers oversubscribed on the timed rule), an arrival counted
+    before its reservation reached the actor settles it then, one that never arrives goes after settle_max_s."""
+    c = AdmissionController(AdmissionConfig(settle_s=0.3, settle_max_s=2.0, arrival_credit_s=0.5))
+
+    def push(t: float, added: int) -> None:
+        c.update(ReplicaStats.from_dict({**stats("a", free=100, ts=t), "num_added": added}), t)
+    push(0.0, 0)
+    c.reserve("a", 10, 0.01)
+    c.reserve("a", 20, 0.02)
+    push(0.5, 1)  # 0.5 s later only the older one arrived: the timed rule would have dropped both
+    assert c.reserved("a") == (20, 1)
+    push(0.6, 2)
+    assert c.reserved("a") == (0, 0)
+    push(0.7, 3)  # an arrival whose reservation comes in after it (the router's sync lagged the stats push)
+    c.reserve("a", 5, 0.72)
+    assert c.reserved("a") == (0, 0)
+    push(0.8, 4)
+    c.reserve("a", 5, 1.4)  # that arrival is 0.6 s old: too old to be this reservation's
+    assert c.reserved("a") == (5, 1)
+    push(3.5, 4)  # never arrived (routed elsewhere, or refused by the replica): dropped after settle_max_s
+    assert c.reserved("a") == (0, 0)
+    timed = AdmissionController(AdmissionConfig(settle_s=0.3))  # a replica without the counter: by time
+    timed.update(ReplicaStats.from_dict(stats("a", free=100)), 0.0)
+    timed.reserve("a", 10, 0.01)
+    timed.update(ReplicaStats.from_dict(stats("a", free=100, ts=0.5)), 0.5)
+    assert timed.reserved("a") == (0, 0)

@@ -263,8 +263,8 @@ def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
         with pytest.raises(RuntimeError):
             await client.refresh()
         clock[0] = 0.5
-        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
-        await client.refresh()  # a new handle; stats received 0.4 s after the reservations settle them
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10, num_added=2).to_dict(), "replica_id": "r"})
+        await client.refresh()  # a new handle; stats counting the 2 admitted requests' arrival settle them
         assert len(actors) == 2 and client.controller.room("r") == 10
         assert client.snapshot["totals"]["replicas"] == 1
 
