@@ -24,12 +24,14 @@ two-routers  the overload through 2 router replicas, KV cache the binding limit 
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import statistics
 import tempfile
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -249,13 +251,30 @@ async def sample_pressure(actor: Any, stop: asyncio.Event, every_s: float, out: 
         snap = await actor.snapshot.remote()
         out.append((time.perf_counter(), {r["replica_id"]: r["pressure"] for r in snap["replicas"]},
                     {r["replica_id"]: (r["num_running"], r["num_waiting"], round(r["queue_time_s"], 2),
-                                       r["num_preemptions"]) for r in snap["replicas"]}))
+                                       r["num_preemptions"]) for r in snap["replicas"]},
+                    {r["replica_id"]: {k: r.get(k) for k in BOOK} for r in snap["replicas"]}))
         await asyncio.sleep(every_s)
 
 
-def longest_above(samples: list[tuple[float, dict, dict]], high: float) -> float:
+BOOK = ("kv_blocks_free", "num_waiting_tokens", "num_growth_blocks", "reserved_blocks", "reserved_requests",
+        "room_blocks", "num_running", "num_waiting", "num_added", "age_s")
+
+
+def preemptions_seen(samples: list[tuple], before: int = 4) -> list[str]:
+    """Each preemption during the sampled window, with the admission actor's book on that replica just before."""
+    lines = []
+    for i in range(1, len(samples)):
+        for rid, row in samples[i][2].items():
+            was = samples[i - 1][2].get(rid)
+            if was is not None and row[3] > was[3]:
+                book = [samples[j][3].get(rid) for j in range(max(0, i - before), i + 1)]
+                lines.append(f"preemption on {rid} at {samples[i][0] - samples[0][0]:.2f} s; book before: {book}")
+    return lines
+
+
+def longest_above(samples: list[tuple], high: float) -> float:
     longest, since = 0.0, {}
-    for t, rows, _ in samples:
+    for t, rows, *_ in samples:
         for rid, p in rows.items():
             if p > high:
                 since.setdefault(rid, t)
@@ -331,10 +350,16 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
               f"{pct(refusal, .99):.2f} s")
     if lost:
         print("lost:", [r for r in results if r not in ok and r not in refused][:5])
-    peak = max((p for _, rows, _ in samples for p in rows.values()), default=0.0)
+    if os.environ.get("CONVEYOR_BENCH_DUMP"):
+        Path(os.environ["CONVEYOR_BENCH_DUMP"]).write_text(json.dumps(samples))
+    preempted = preemptions_seen(samples)
+    print(f"preemptions while arrivals ran: {len(preempted)}")
+    for line in preempted[:4]:
+        print(line)
+    peak = max((p for _, rows, *_ in samples for p in rows.values()), default=0.0)
     t0 = samples[0][0] if samples else 0.0
     for r in sorted(ok, key=lambda r: -r["ttft"])[:3]:
-        at = next((q for t, _, q in samples if t >= r["sent"]), None)
+        at = next((q for t, _, q, _ in samples if t >= r["sent"]), None)
         print(f"slow: sent at {r['sent'] - t0:.2f} s, TTFT {r['ttft']:.2f} s; replicas (running, waiting, estimated "
               f"queue s, preemptions) then: {at}")
     print(f"KV pressure sampled every 20 ms ({len(samples)} samples): peak {peak:.2f}, longest above the high "
