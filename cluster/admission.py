@@ -6,8 +6,9 @@ push stats and KV events to it every <= 100 ms. Each router keeps its own contro
 background from the actor (`restore(snapshot, now)`), and asks `decide(...)` locally per request: no remote
 call on the request path. An admitted prompt is `reserve`d at once on the router, sent to the actor with
 the next refresh and from then on counted there for every router, until the replica's stats count its
-arrival (`num_added`; from a replica without the counter, stats received `settle_s` after it). Reservations carry the prompt's block keys: blocks on their way to a
-replica attract its prefix as if cached. Staleness is measured by receipt time on the actor and carried as
+arrival (`num_added`; from a replica without the counter, stats received `settle_s` after it).
+Reservations carry the prompt's block keys: blocks on their way to a replica attract its prefix as if
+cached. Staleness is measured by receipt time on the actor and carried as
 an age in snapshots, so clocks of different hosts never get compared.
 """
 from dataclasses import asdict, dataclass, field
