@@ -11,7 +11,7 @@ Reservations carry the prompt's block keys: blocks on their way to a replica att
 cached. Staleness is measured by receipt time on the actor and carried as
 an age in snapshots, so clocks of different hosts never get compared.
 """
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 import math
 from typing import Any, Iterable, Sequence
 
@@ -171,15 +171,18 @@ class AdmissionController:
     def _settle(self, replica_id: str, now: float) -> None:
         """Drop reservations the replica's stats already include. A replica that counts the requests it took in
         (num_added) settles them on arrival, oldest first (a reservation whose request never arrives: after
-        `settle_max_s`); else a reservation settles once stats received `settle_s` after it."""
+        `settle_max_s`); else a reservation settles once stats received `settle_s` after it. A reservation
+        settled on arrival keeps attracting its prefix until then: the KV events of its prefill may come later."""
         entry = self.replicas.get(replica_id)
         by_arrival = entry is not None and entry.stats.num_added is not None
         limit = self.config.settle_max_s if by_arrival else self.config.settle_s
         left = []
         for r in sorted(self._reserved.get(replica_id, ()), key=lambda r: r.at):
-            if entry is None or (by_arrival and self._take_arrivals(replica_id, r.requests, now)):
+            if entry is None:
                 continue
-            if entry.received_at < r.at + limit:
+            if by_arrival and r.requests and self._take_arrivals(replica_id, r.requests, now):
+                r = replace(r, blocks=0, requests=0)  # counted in the stats now; its keys stay pending (below)
+            if entry.received_at < r.at + (limit if r.requests else self.config.settle_s):
                 left.append(r)
         if left:
             self._reserved[replica_id] = left

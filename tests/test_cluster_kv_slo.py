@@ -305,6 +305,11 @@ def test_reservations_settle_on_arrival_when_the_replica_counts_them():
     assert c.reserved("a") == (5, 1)
     push(3.5, 4)  # never arrived (routed elsewhere, or refused by the replica): dropped after settle_max_s
     assert c.reserved("a") == (0, 0)
+    c.reserve("a", 10, 3.6, keys=[b"k1", b"k2"])
+    push(3.7, 5)  # arrived and settled, but its prefill's KV events may come later: its keys still attract
+    assert c.reserved("a") == (0, 0) and c.pending_keys("a") == {b"k1", b"k2"}
+    push(4.0, 5)  # settle_s after the reservation: gone
+    assert c.pending_keys("a") == set()
     timed = AdmissionController(AdmissionConfig(settle_s=0.3))  # a replica without the counter: by time
     timed.update(ReplicaStats.from_dict(stats("a", free=100)), 0.0)
     timed.reserve("a", 10, 0.01)
