@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.sse import read_completion_stream
+from benchmarks.sse import read_completion_stream, server_timing_ms
 from deployments.ingress import haproxy_enabled, use_haproxy
 
 ROUTERS = {"kv": "KV-aware (real KV contents + headroom + queue)", "p2c": "Ray default (power of two)"}
@@ -98,21 +98,12 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                     return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "refused": refused,
                             "latency": time.perf_counter() - start,
                             "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
-                router_s = server_timing(r.headers.get("server-timing", ""), "router")
+                router_ms = server_timing_ms(r.headers.get("server-timing", "")).get("router")
                 ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
         except httpx.HTTPError as e:
             return {"status": -1, "error": repr(e), "refused": refused}
         return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": tokens,
-                "refused": refused, "router_ttft": router_s}
-
-
-def server_timing(header: str, name: str) -> float | None:
-    """A duration (s) from a Server-Timing header: `router;dur=12.3, replica;dur=4.5`."""
-    for part in header.split(","):
-        key, _, dur = part.strip().partition(";dur=")
-        if key == name and dur:
-            return float(dur) / 1000
-    return None
+                "refused": refused, "router_ttft": router_ms / 1000 if router_ms is not None else None}
 
 
 def pct(xs: list[float], q: float) -> float:

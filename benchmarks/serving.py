@@ -33,7 +33,7 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.sse import aiohttp_lines, read_completion_stream  # noqa: E402
+from benchmarks.sse import aiohttp_lines, read_completion_stream, server_timing_ms  # noqa: E402
 from deployments.ingress import haproxy_env  # noqa: E402
 
 
@@ -61,8 +61,7 @@ def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_
 
 
 def replica_ms(headers: Any) -> float:
-    timing = dict(part.strip().split(";dur=") for part in headers["server-timing"].split(","))
-    return float(timing["replica"])
+    return server_timing_ms(headers["server-timing"])["replica"]
 
 
 async def http_request(client: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, stream: bool,

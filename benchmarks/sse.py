@@ -25,6 +25,12 @@ async def read_completion_stream(lines: AsyncIterator[str], start: float,
     return ttft, tokens
 
 
+def server_timing_ms(header: str) -> dict[str, float]:
+    """The router's Server-Timing header as {name: ms}: `replica;dur=4.5, router;dur=12.3`."""
+    parts = (part.strip().partition(";dur=") for part in header.split(",") if part.strip())
+    return {name: float(dur) for name, _, dur in parts if dur}
+
+
 async def aiohttp_lines(response: Any) -> AsyncIterator[str]:
     async for raw in response.content:
         yield raw.decode()

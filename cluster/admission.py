@@ -174,12 +174,13 @@ class AdmissionController:
         `settle_max_s`); else a reservation settles once stats received `settle_s` after it. A reservation
         settled on arrival keeps attracting its prefix until then: the KV events of its prefill may come later."""
         entry = self.replicas.get(replica_id)
-        by_arrival = entry is not None and entry.stats.num_added is not None
+        if entry is None:
+            self._reserved.pop(replica_id, None)
+            return
+        by_arrival = entry.stats.num_added is not None
         limit = self.config.settle_max_s if by_arrival else self.config.settle_s
         left = []
         for r in sorted(self._reserved.get(replica_id, ()), key=lambda r: r.at):
-            if entry is None:
-                continue
             if by_arrival and r.requests and self._take_arrivals(replica_id, r.requests, now):
                 r = replace(r, blocks=0, requests=0)  # counted in the stats now; its keys stay pending (below)
             if entry.received_at < r.at + (limit if r.requests else self.config.settle_s):

@@ -197,9 +197,9 @@ class EngineCore:
 
         def final(q: Sequence) -> int:
             return kv.blocks_for(min(limit, q.num_tokens + q.params.max_tokens - q.num_output_tokens))
-        growth = (sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in self.scheduler.running)
+        growth = (sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in s.running)
                   + sum(final(q) - kv.blocks_for(q.num_tokens)
-                        for q in [*self.scheduler.waiting, *(q for q, _ in self.compiling.values())]))
+                        for q in [*s.waiting, *(q for q, _ in self.compiling.values())]))
         self._growth = (now, key, growth)
         return growth
 
