@@ -8,7 +8,8 @@ call on the request path. An admitted prompt is `reserve`d at once on the router
 the next refresh and from then on counted there for every router, until the replica's stats count its
 arrival (`num_added`; from a replica without the counter, stats received `settle_s` after it).
 Reservations carry the prompt's block keys: blocks on their way to a replica attract its prefix as if
-cached. Staleness is measured by receipt time on the actor and carried as
+cached. Admission commits a replica's room only up to its high watermark; with several routers, each commits
+only within its lease of that headroom (cluster/leases.py), granted by the actor at every sync. Staleness is measured by receipt time on the actor and carried as
 an age in snapshots, so clocks of different hosts never get compared.
 """
 from dataclasses import asdict, dataclass, field, replace
@@ -68,6 +69,8 @@ class AdmissionConfig:
     placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
     hot_window_s: float = 10.0
     hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
+    leases: bool = True  # several routers: each commits only its lease of a replica's headroom (cluster.leases)
+    lease_s: float = 1.0
 
     def __post_init__(self) -> None:
         assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
@@ -78,6 +81,7 @@ class AdmissionConfig:
         assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
         assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
         assert self.hot_window_s > 0.0 and 0.0 < self.hot_fraction <= 1.0, "hot_window_s > 0, 0 < hot_fraction <= 1"
+        assert self.lease_s > 0.0, "lease_s must be > 0"
 
     @property
     def watermarks(self) -> Watermarks:
@@ -124,6 +128,8 @@ class AdmissionController:
         self._reserved: dict[str, list[Reservation]] = {}
         self.inflight: list[Reservation] = []  # sent to the actor, not yet in a snapshot (router side)
         self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
+        self.lease: dict[str, int] | None = None  # blocks this router may commit per replica (router side)
+        self.lease_until = float("-inf")
         self.kv = KVIndex()
         self.hot = HotBlocks(self.config.hot_window_s)
         self._arrived: dict[str, list[list[float]]] = {}  # per replica: [time, sequences] not matched yet
@@ -219,11 +225,16 @@ class AdmissionController:
 
     def reserved(self, replica_id: str) -> tuple[int, int]:
         """(blocks, requests) admitted to the replica that its stats cannot include yet, every router's.
-        Own reservations the actor has not shared yet count once per router: until the next refresh each of
-        the others may be admitting as much, unseen."""
+        Own reservations the actor has not shared yet count once per router (blocks: unless this router holds a
+        lease, which bounds the others): until the next refresh each of the others may be admitting as much."""
         entry, own, k = self.replicas[replica_id], self._own(replica_id), self.num_routers
-        return (entry.shared_blocks + k * sum(r.blocks for r in own),
+        return (entry.shared_blocks + (1 if self.lease is not None else k) * sum(r.blocks for r in own),
                 entry.shared_requests + k * sum(r.requests for r in own))
+
+    def lease_room(self, replica_id: str, now: float) -> int:
+        """Blocks of its lease this router has not committed yet (0 once the lease has expired)."""
+        lease = self.lease.get(replica_id, 0) if self.lease is not None and now <= self.lease_until else 0
+        return lease - sum(r.blocks for r in self._own(replica_id))
 
     def unseen_blocks(self, replica_id: str) -> int:
         """Reserved blocks newer than the replica's last stats, every router's (own ones once per router)."""
@@ -239,6 +250,27 @@ class AdmissionController:
             if growth is None:
                 growth = -(-sum(e.stats.tokens_left) // bs)
         return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
+
+    def reserve_blocks(self, replica_id: str) -> int:
+        """Blocks kept free above the high watermark: admission commits a replica's room only up to it."""
+        total = self.replicas[replica_id].stats.kv_blocks_total
+        return math.ceil(round((1.0 - self.config.high_watermark) * total, 6))
+
+    def headroom(self, replica_id: str) -> int:
+        """Blocks admission may still commit before the replica's demand passes its high watermark."""
+        return self.room(replica_id) - self.reserve_blocks(replica_id)
+
+    def fits(self, replica_id: str, need: int, headroom: int | None = None) -> bool:
+        """The request keeps demand within the high watermark (or within `headroom`, a lease); on an idle replica,
+        any request that fits its cache."""
+        cap = self.replicas[replica_id].stats.kv_blocks_total - self.reserve_blocks(replica_id)
+        return (self.headroom(replica_id) if headroom is None else headroom) >= min(need, cap)
+
+    def even_share(self, replica_id: str) -> int:
+        """An idle replica's headroom split evenly among the routers: a larger request cannot wait for a lease
+        (it might never get one), so it is decided on this router's own view."""
+        total = self.replicas[replica_id].stats.kv_blocks_total
+        return (total - self.reserve_blocks(replica_id)) // self.num_routers
 
     def pending_keys(self, replica_id: str) -> set[bytes]:
         keys = set(self.replicas[replica_id].shared_keys)
@@ -333,9 +365,15 @@ class AdmissionController:
         cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}
         need = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys))) + grow
                 for rid in open_}
-        fits = [rid for rid in open_ if self.room(rid) >= min(need[rid], self.replicas[rid].stats.kv_blocks_total)]
+        fits = [rid for rid in open_ if self.fits(rid, need[rid])]
         if not fits:
             return Decision(False, [], retry, "no_room")
+        if self.lease is not None:
+            leased = [rid for rid in fits if self.fits(rid, need[rid], self.lease_room(rid, now))
+                      or need[rid] > self.even_share(rid)]
+            if not leased:
+                return Decision(False, [], retry, "lease", new_blocks=min(need[rid] for rid in fits))
+            fits = leased
         wait = {rid: self.queue_time(rid) for rid in fits}
         limit = self.config.max_queue_time_s
         if limit > 0:
@@ -410,10 +448,11 @@ class AdmissionController:
         return {"changes": self.kv.changes(since),
                 "pending": {rid: sorted(self.pending_keys(rid)) for rid in self.replicas}}
 
-    def restore(self, snapshot: dict[str, Any], now: float) -> None:
+    def restore(self, snapshot: dict[str, Any], now: float, asked_at: float | None = None) -> None:
         """Replace config and state with an actor snapshot; ages are re-based onto this process's clock.
         The snapshot's reservations become shared ones (they include this process's in-flight ones); own
-        reservations not sent yet are kept. A snapshot's "kv" part (`kv_snapshot`) updates the KV index."""
+        reservations not sent yet are kept. A snapshot's "kv" part (`kv_snapshot`) updates the KV index, its
+        "lease" replaces this router's lease, valid `lease_s` from `asked_at` (before the actor granted it)."""
         self.config = AdmissionConfig(**snapshot["config"])
         self.hot.window_s = self.config.hot_window_s
         kv = snapshot.get("kv") or {}
@@ -425,6 +464,8 @@ class AdmissionController:
             for r in snapshot["replicas"]}
         self.inflight = []
         self.num_routers = max(1, int(snapshot.get("routers", 1)))
+        self.lease = snapshot.get("lease")
+        self.lease_until = (now if asked_at is None else asked_at) + self.config.lease_s
         if "changes" in kv:
             self.kv.load(kv["changes"])
         for rid in list(self._reserved):

@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Sequence
 
 from cluster.admission import AdmissionConfig, AdmissionController, Decision
+from cluster.leases import Leases
 from cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
@@ -29,6 +30,7 @@ class AdmissionActor:
         self.clock = clock
         self.controller = AdmissionController(AdmissionConfig(**(config or {})))
         self.routers: dict[str, float] = {}
+        self.leases = Leases(self.controller.config.lease_s)
         self.metric_dumps: dict[str, list[dict[str, Any]]] = {}
 
     def report(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -43,10 +45,11 @@ class AdmissionActor:
         return {"kv_reset": reset}
 
     def sync(self, reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
-             kv_since: int | None = None, router_id: str | None = None) -> dict[str, Any]:
+             kv_since: int | None = None, router_id: str | None = None, demand: int = 0) -> dict[str, Any]:
         """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
         keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
-        and "routers": how many routers synced in the last `ROUTER_TTL_S`."""
+        "routers": how many routers synced in the last `ROUTER_TTL_S`, and with `leases` on, "lease": the
+        router's new lease (cluster.leases; `demand`: the blocks it wanted since its last sync)."""
         now = self.clock()
         if router_id is not None:
             self.routers[router_id] = now
@@ -56,6 +59,11 @@ class AdmissionActor:
         snap = self.snapshot()
         snap["kv"] = self.controller.kv_snapshot(kv_since)
         snap["routers"] = max(1, len(self.routers))
+        cfg = self.controller.config
+        if router_id is not None and cfg.leases:
+            self.leases.ttl_s = cfg.lease_s
+            headroom = {rid: self.controller.headroom(rid) for rid in self.controller.replicas}
+            snap["lease"] = self.leases.grant(router_id, headroom, now, demand, len(self.routers))
         return snap
 
     def forget(self, replica_id: str) -> None:
@@ -104,6 +112,8 @@ class AdmissionClient:
         self.router_id = uuid.uuid4().hex
         self.failed_at, self.error = float("-inf"), None
         self.fail_open_logged_at = float("-inf")
+        self.demand = 0  # blocks wanted since the last sync: reserved, and refused for want of lease
+        self._wake = asyncio.Event()
 
     async def refresh(self) -> dict[str, Any]:
         async with self._lock:
@@ -111,16 +121,17 @@ class AdmissionClient:
             try:
                 if self._actor is None:
                     self._actor = await asyncio.wait_for(self._get_actor(), timeout=2.0)
-                now = self.clock()
+                asked_at = now = self.clock()
                 sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
-                call = self._actor.sync.remote(sent, self.kv_version, self.router_id)
+                demand, self.demand = self.demand, 0
+                call = self._actor.sync.remote(sent, self.kv_version, self.router_id, demand)
                 snapshot = await asyncio.wait_for(call, timeout=2.0)
             except Exception as e:
                 self._actor, self.failed_at, self.error = None, self.clock(), e
                 self.controller.untake(taken)
                 raise
             self.fetched_at = self.clock()
-            self.controller.restore(snapshot, self.fetched_at)
+            self.controller.restore(snapshot, self.fetched_at, asked_at)
             self.kv_version = snapshot["kv"]["changes"]["version"]
             snapshot.pop("kv")
             self.snapshot = snapshot
@@ -135,7 +146,11 @@ class AdmissionClient:
             except Exception as e:
                 log.warning("admission snapshot refresh failed: %r", e)
                 await asyncio.sleep(0.5)
-            await asyncio.sleep(self.refresh_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
 
     def start(self) -> None:
         if self._task is None:
@@ -156,6 +171,11 @@ class AdmissionClient:
                 return self._fail_open(d, e)
             now = self.clock()
             d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
+        short = not d.admit and d.reason == "lease"
+        if short:
+            self.demand += d.new_blocks
+            d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_blocks)
+            now = self.clock()
         cfg = self.controller.config
         if not d.admit and d.reason in ("saturated", "no_room") and self.queued < cfg.max_queued:
             deadline, self.queued = now + cfg.queue_timeout_s, self.queued + 1
@@ -171,7 +191,25 @@ class AdmissionClient:
                 self.queued -= 1
         if d.admit:
             self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
+            self.demand += 0 if short else d.new_blocks
         return d
+
+    async def _await_lease(self, d: Decision, *args: Any) -> Decision:
+        """A replica has room but this router's lease of it is spent: ask for more at once (the next sync,
+        without waiting out the interval), for at most two syncs; then the refusal is a plain `no_room`."""
+        for _ in range(2):
+            try:
+                if self._task is None:  # no background refresh (tests, tools): sync here
+                    await self.refresh()
+                else:
+                    self._wake.set()
+                    await asyncio.wait_for(self._refreshed.wait(), 2.0 + self.refresh_s)
+            except Exception:
+                break
+            d = self.controller.decide(args[0], self.clock(), *args[1:])
+            if d.admit or d.reason != "lease":
+                return d
+        return replace(d, reason="no_room")
 
     def _fail_open(self, refused: Decision, error: BaseException | None) -> Decision:
         """The actor is unreachable: admitting without a replica list beats refusing every request."""

@@ -226,9 +226,9 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
         assert one.controller.room("a") == two.controller.room("a")
         assert one.controller.room("b") == two.controller.room("b")
         assert one.controller.num_routers == two.controller.num_routers == 2
-        free_b = one.controller.room("b")
-        one.controller.reserve("b", 3, clock[0])  # not shared yet: counts for both routers
-        assert one.controller.room("b") == free_b - 6
+        free_b, lease_b = one.controller.room("b"), one.controller.lease_room("b", clock[0])
+        one.controller.reserve("b", 3, clock[0])  # not shared yet: counts against this router's lease
+        assert one.controller.room("b") == free_b - 3 and one.controller.lease_room("b", clock[0]) == lease_b - 3
         one.controller._reserved.clear()
         assert two.controller.cached_blocks(d1.replicas[0], h) == 20  # one's prompt, on its way there
         d3 = await two.decide(1, keys=h)
@@ -247,6 +247,50 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("leases", [True, False])
+def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: bool):
+    """Routers admit between syncs, each unseen by the other: with leases their commitments together stay within
+    every replica's headroom (room up to the high watermark) whatever the interleaving; without, the rule of
+    counting own unshared reservations once per router overcommits once the routers' snapshots differ."""
+    body = AdmissionActor({"leases": leases, "settle_s": 10.0, "settle_max_s": 10.0}, clock=lambda: 0.0)
+    for rid in "ab":
+        body.report({**stats(rid, total=100, free=100), "kv_events": events(reset=True)})
+
+    async def get() -> Handle:
+        return Handle(body)
+
+    def committed(routers: list[AdmissionClient], rid: str) -> int:
+        return (sum(r.blocks for r in body.controller._reserved.get(rid, ()))
+                + sum(r.blocks for c in routers for r in c.controller._own(rid)))
+
+    async def scenario() -> int:
+        routers = [AdmissionClient(get, clock=lambda: 0.0) for _ in range(2)]
+        for c in routers + routers:
+            await c.refresh()
+        worst = 0
+        for turn in [0, 1, 0, 0, 1, 1, 0, 1, 0, 1, 1, 0]:  # who syncs next; both admit what they can in between
+            for c in routers:
+                while (await c.decide(5)).admit:
+                    pass
+            worst = max(worst, *(committed(routers, rid) for rid in "ab"))
+            await routers[turn].refresh()
+        assert body.controller.headroom("a") + body.controller.headroom("b") <= 2 * 90 - 2 * 80  # filled
+        return worst
+
+    worst = asyncio.run(scenario())
+    assert worst <= 90 if leases else worst > 90
+
+
+def test_lease_shares_split_evenly_and_by_demand_within_headroom():
+    from cluster.leases import Leases
+    book = Leases(ttl_s=1.0)
+    assert book.grant("r1", {"a": 100}, 0.0, demand=0, routers=2) == {"a": 50}
+    assert book.grant("r2", {"a": 100}, 0.0, demand=30, routers=2) == {"a": 50}  # r1 holds 50
+    assert book.grant("r1", {"a": 80}, 0.1, demand=10, routers=2) == {"a": 30}  # 0.25 + 0.5 * 10/40 of 80
+    assert book.grant("r2", {"a": 80}, 0.2, demand=30, routers=2) == {"a": 50}  # 0.25 + 0.5 * 30/40, all free
+    assert book.grant("r1", {"a": 80}, 1.5, routers=2) == {"a": 40}  # r2's lease expired: nothing held
+
+
 def test_count_output_blocks_charges_max_tokens_growth():
     on = AdmissionController(AdmissionConfig(count_output_blocks=True))
     off = AdmissionController()
@@ -254,8 +298,19 @@ def test_count_output_blocks_charges_max_tokens_growth():
         c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
     assert off.room("a") == 40 and on.room("a") == 35
     assert off.decide(10, 0.0, output_blocks=30).admit and not on.decide(10, 0.0, output_blocks=30).admit
-    d = on.decide(10, 0.0, output_blocks=20)
-    assert d.admit and d.new_blocks == 30
+    d = on.decide(10, 0.0, output_blocks=15)  # 35 room less 10 kept above the 0.90 high watermark
+    assert d.admit and d.new_blocks == 25
+    assert not on.decide(10, 0.0, output_blocks=16).admit
+
+
+def test_admission_commits_room_only_up_to_the_high_watermark():
+    c = AdmissionController(AdmissionConfig(high_watermark=0.8, low_watermark=0.5))
+    c.update(ReplicaStats.from_dict(stats("a", free=50, total=100)), 0.0)
+    assert c.headroom("a") == 30 and c.decide(30, 0.0).admit and c.decide(31, 0.0).reason == "no_room"
+    c.update(ReplicaStats.from_dict(stats("idle", free=100, total=100)), 0.0)
+    assert c.decide(100, 0.0).replicas == ["idle"]  # a request that fits an idle replica's cache still runs
+    c.reserve("idle", 75, 0.0)
+    assert c.decide(6, 0.0).replicas == ["a"] and "idle" in c.decide(5, 0.0).replicas
 
 
 def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():

@@ -1,0 +1,52 @@
+"""Leases: how several routers share each replica's room without jointly oversubscribing it.
+
+Routers decide locally and hand their reservations to the admission actor once per refresh, so between two
+refreshes each router's admissions are invisible to the others. At every sync the actor therefore grants the
+router a lease: per replica, the blocks it may commit until its next sync. A lease never exceeds the replica's
+headroom (room up to the high watermark, counting every reservation the actor knows) less the leases other
+routers still hold, so all routers together stay within it; a router's unshared reservations count against
+its own lease only.
+
+Shares: half split evenly among the routers that synced lately, half by each lease holder's demand over its
+last interval (blocks it reserved plus blocks it was refused for want of lease), so an idle router keeps enough
+for a request at once and a busy one gets the rest. A request larger than an even share of an idle replica
+cannot wait for a lease; the router decides it on its own view (cluster.admission).
+"""
+from dataclasses import dataclass, field
+import math
+
+
+@dataclass(frozen=True)
+class Lease:
+    blocks: dict[str, int]
+    granted_at: float
+    demand: int = 0
+
+
+@dataclass
+class Leases:
+    ttl_s: float = 1.0
+    held: dict[str, Lease] = field(default_factory=dict)
+
+    def expire(self, now: float) -> None:
+        self.held = {r: lease for r, lease in self.held.items() if now - lease.granted_at <= self.ttl_s}
+
+    def release(self, router_id: str) -> None:
+        self.held.pop(router_id, None)
+
+    def grant(self, router_id: str, headroom: dict[str, int], now: float, demand: int = 0,
+              routers: int = 1) -> dict[str, int]:
+        """The router's new lease; its old one is spent (its reservations came with this sync) or returned.
+        `routers`: how many routers synced lately, this one included."""
+        self.release(router_id)
+        self.expire(now)
+        others = list(self.held.values())
+        total_demand = demand + sum(o.demand for o in others)
+        k = max(routers, len(others) + 1)
+        share = 0.5 / k + 0.5 * (demand / total_demand if total_demand else 1.0 / k)
+        blocks = {}
+        for rid, room in headroom.items():
+            free = room - sum(o.blocks.get(rid, 0) for o in others)
+            blocks[rid] = max(0, min(free, math.floor(share * room)))
+        self.held[router_id] = Lease(blocks, now, demand)
+        return blocks
