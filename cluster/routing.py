@@ -133,8 +133,9 @@ def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] =
     """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
     relative to it), then the rest. Saturated replicas only when every replica is saturated;
     replicas outside `allowed` (admission's list) only after the allowed ones; `ordered`: the allowed ones
-    in admission's order (it reserved the request on its first), not by score, and never skipped as
-    saturated (admission found room there with its fresher view, counting the request itself)."""
+    in admission's order, not by score, never skipped as saturated or overloaded: admission found room on
+    its first with its fresher view, counting the request itself, and reserved the request there (sent
+    elsewhere, it would be counted on neither replica until its reservation expired)."""
     ok = {rid: i for i, rid in enumerate(allowed)}
     trusted = ordered and any(s.replica_id in ok for s in scored)  # admission checked their room just now
     usable = ([s for s in scored if not s.saturated or (trusted and s.replica_id in ok)]
@@ -147,7 +148,7 @@ def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] =
     rest = [s for s in usable if s not in pool]
     preferred = pool[0]
     least = min(pool, key=lambda s: (s.load, s.pressure))
-    first = least if overloaded(preferred, least, cfg) else preferred
+    first = least if not (ordered and preferred.replica_id in ok) and overloaded(preferred, least, cfg) else preferred
     return [first.replica_id] + [s.replica_id for s in pool + rest if s is not first]
 
 

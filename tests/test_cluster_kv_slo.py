@@ -111,14 +111,16 @@ def test_router_scores_real_contents_and_guesses_only_for_unreported():
                   RouterConfig())[0] == "b"
 
 
-def test_router_follows_admissions_order_unless_overloaded():
+def test_router_follows_admissions_order_even_when_it_looks_overloaded():
     s = lambda rid, **kw: ReplicaStats.from_dict(stats(rid, **kw))
     cands = [Candidate("a", s("a", free=90)), Candidate("b", s("b", free=40)), Candidate("c", s("c", free=95))]
     scored = score_replicas(cands, (), PrefixIndex(), RouterConfig())
     assert choose(scored, RouterConfig(), ["b", "a"], ordered=True) == ["b", "a", "c"]
     assert choose(scored, RouterConfig(), ["b", "a"]) == ["a", "b", "c"]
     busy = [Candidate("a", s("a"), ongoing=1), Candidate("b", s("b"), ongoing=30)]
-    assert choose(score_replicas(busy, (), PrefixIndex(), RouterConfig()), RouterConfig(), ["b", "a"], True)[0] == "a"
+    ranked = score_replicas(busy, (), PrefixIndex(), RouterConfig())
+    assert choose(ranked, RouterConfig(), ["b", "a"])[0] == "a"  # without admission's order: the least loaded
+    assert choose(ranked, RouterConfig(), ["b", "a"], True)[0] == "b"  # its reservation is on b
 
 
 def test_admission_ranks_by_real_prefix_and_reserved_prompts_attract():
