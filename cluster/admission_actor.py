@@ -45,11 +45,13 @@ class AdmissionActor:
         return {"kv_reset": reset}
 
     def sync(self, reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
-             kv_since: int | None = None, router_id: str | None = None, demand: int = 0) -> dict[str, Any]:
+             kv_since: int | None = None, router_id: str | None = None, demand: int = 0,
+             short: int = 0) -> dict[str, Any]:
         """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
         keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
         "routers": how many routers synced in the last `ROUTER_TTL_S`, and with `leases` on, "lease": the
-        router's new lease (cluster.leases; `demand`: the blocks it wanted since its last sync)."""
+        router's new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: the blocks
+its request refused for want of lease needs)."""
         now = self.clock()
         if router_id is not None:
             self.routers[router_id] = now
@@ -63,7 +65,7 @@ class AdmissionActor:
         if router_id is not None and cfg.leases:
             self.leases.ttl_s = cfg.lease_s
             headroom = {rid: self.controller.headroom(rid) for rid in self.controller.replicas}
-            snap["lease"] = self.leases.grant(router_id, headroom, now, demand, len(self.routers))
+            snap["lease"] = self.leases.grant(router_id, headroom, now, demand, len(self.routers), short)
         return snap
 
     def forget(self, replica_id: str) -> None:
@@ -113,6 +115,7 @@ class AdmissionClient:
         self.failed_at, self.error = float("-inf"), None
         self.fail_open_logged_at = float("-inf")
         self.demand = 0  # blocks wanted since the last sync: reserved, and refused for want of lease
+        self.short = 0  # the largest request refused for want of lease since the last sync: its claim
         self._wake = asyncio.Event()
 
     async def refresh(self) -> dict[str, Any]:
@@ -123,8 +126,8 @@ class AdmissionClient:
                     self._actor = await asyncio.wait_for(self._get_actor(), timeout=2.0)
                 asked_at = now = self.clock()
                 sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
-                demand, self.demand = self.demand, 0
-                call = self._actor.sync.remote(sent, self.kv_version, self.router_id, demand)
+                demand, short, self.demand, self.short = self.demand, self.short, 0, 0
+                call = self._actor.sync.remote(sent, self.kv_version, self.router_id, demand, short)
                 snapshot = await asyncio.wait_for(call, timeout=2.0)
             except Exception as e:
                 self._actor, self.failed_at, self.error = None, self.clock(), e
@@ -177,7 +180,7 @@ class AdmissionClient:
             d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_blocks)
             now = self.clock()
         cfg = self.controller.config
-        if not d.admit and d.reason in ("saturated", "no_room") and self.queued < cfg.max_queued:
+        if not d.admit and d.reason in ("saturated", "no_room", "lease") and self.queued < cfg.max_queued:
             deadline, self.queued = now + cfg.queue_timeout_s, self.queued + 1
             try:
                 while not d.admit and (left := deadline - self.clock()) > 0:
@@ -192,24 +195,27 @@ class AdmissionClient:
         if d.admit:
             self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
             self.demand += 0 if short else d.new_blocks
-        return d
+        return replace(d, reason="no_room") if d.reason == "lease" else d
 
     async def _await_lease(self, d: Decision, *args: Any) -> Decision:
-        """A replica has room but this router's lease of it is spent: ask for more at once (the next sync,
-        without waiting out the interval), for at most two syncs; then the refusal is a plain `no_room`."""
-        for _ in range(2):
+        """A replica has room but this router's lease of it is spent: claim what the request needs at once (the
+        next sync, without waiting out the interval), then once more at the next regular sync (after the other
+        routers' syncs have returned what they hold beyond their shares); a refusal then is `no_room`."""
+        for attempt in range(2):
+            self.short = max(self.short, d.new_blocks)
             try:
                 if self._task is None:  # no background refresh (tests, tools): sync here
                     await self.refresh()
                 else:
-                    self._wake.set()
+                    if attempt == 0:
+                        self._wake.set()
                     await asyncio.wait_for(self._refreshed.wait(), 2.0 + self.refresh_s)
             except Exception:
                 break
             d = self.controller.decide(args[0], self.clock(), *args[1:])
             if d.admit or d.reason != "lease":
-                return d
-        return replace(d, reason="no_room")
+                break
+        return d
 
     def _fail_open(self, refused: Decision, error: BaseException | None) -> Decision:
         """The actor is unreachable: admitting without a replica list beats refusing every request."""

@@ -9,8 +9,11 @@ its own lease only.
 
 Shares: half split evenly among the routers that synced lately, half by each lease holder's demand over its
 last interval (blocks it reserved plus blocks it was refused for want of lease), so an idle router keeps enough
-for a request at once and a busy one gets the rest. A request larger than an even share of an idle replica
-cannot wait for a lease; the router decides it on its own view (cluster.admission).
+for a request at once and a busy one gets the rest. Room frees a request at a time, and split in shares it
+would fit no one's next request: a router refused for want of lease claims what its request needs (`short`),
+and claims are served first come first served (a later grant leaves room for an earlier unmet claim). A
+request larger than an even share of an idle replica cannot wait for a lease; the router decides it on its
+own view (cluster.admission).
 """
 from dataclasses import dataclass, field
 import math
@@ -21,6 +24,8 @@ class Lease:
     blocks: dict[str, int]
     granted_at: float
     demand: int = 0
+    short: int = 0
+    short_since: float | None = None
 
 
 @dataclass
@@ -31,22 +36,22 @@ class Leases:
     def expire(self, now: float) -> None:
         self.held = {r: lease for r, lease in self.held.items() if now - lease.granted_at <= self.ttl_s}
 
-    def release(self, router_id: str) -> None:
-        self.held.pop(router_id, None)
-
     def grant(self, router_id: str, headroom: dict[str, int], now: float, demand: int = 0,
-              routers: int = 1) -> dict[str, int]:
+              routers: int = 1, short: int = 0) -> dict[str, int]:
         """The router's new lease; its old one is spent (its reservations came with this sync) or returned.
-        `routers`: how many routers synced lately, this one included."""
-        self.release(router_id)
+        `routers`: how many routers synced lately, this one included; `short`: its claim."""
+        prev = self.held.pop(router_id, None)
+        since = (prev.short_since if prev is not None and prev.short_since is not None else now) if short else None
         self.expire(now)
         others = list(self.held.values())
+        earlier = [o for o in others if o.short and o.short_since is not None and (since is None or o.short_since < since)]
         total_demand = demand + sum(o.demand for o in others)
         k = max(routers, len(others) + 1)
         share = 0.5 / k + 0.5 * (demand / total_demand if total_demand else 1.0 / k)
         blocks = {}
         for rid, room in headroom.items():
             free = room - sum(o.blocks.get(rid, 0) for o in others)
-            blocks[rid] = max(0, min(free, math.floor(share * room)))
-        self.held[router_id] = Lease(blocks, now, demand)
+            free -= sum(max(0, o.short - o.blocks.get(rid, 0)) for o in earlier)
+            blocks[rid] = max(0, min(free, max(math.floor(share * room), short)))
+        self.held[router_id] = Lease(blocks, now, demand, short, since)
         return blocks

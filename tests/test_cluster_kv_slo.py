@@ -272,8 +272,9 @@ def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: 
         worst = 0
         for turn in [0, 1, 0, 0, 1, 1, 0, 1, 0, 1, 1, 0]:  # who syncs next; both admit what they can in between
             for c in routers:
-                while (await c.decide(5)).admit:
+                while (d := await c.decide(5)).admit:
                     pass
+                assert d.reason == "no_room"  # out of lease after asking for more: told as no room
             worst = max(worst, *(committed(routers, rid) for rid in "ab"))
             await routers[turn].refresh()
         assert body.controller.headroom("a") + body.controller.headroom("b") <= 2 * 90 - 2 * 80  # filled
@@ -291,6 +292,15 @@ def test_lease_shares_split_evenly_and_by_demand_within_headroom():
     assert book.grant("r1", {"a": 80}, 0.1, demand=10, routers=2) == {"a": 30}  # 0.25 + 0.5 * 10/40 of 80
     assert book.grant("r2", {"a": 80}, 0.2, demand=30, routers=2) == {"a": 50}  # 0.25 + 0.5 * 30/40, all free
     assert book.grant("r1", {"a": 80}, 1.5, routers=2) == {"a": 40}  # r2's lease expired: nothing held
+    claims = Leases(ttl_s=1.0)  # room frees one request at a time: split in shares it fits neither router's next
+    assert claims.grant("r1", {"a": 21}, 0.0, routers=2) == {"a": 10}
+    assert claims.grant("r2", {"a": 21}, 0.0, routers=2) == {"a": 10}
+    assert claims.grant("r1", {"a": 21}, 0.01, demand=21, routers=2, short=21) == {"a": 11}  # r2 holds 10
+    assert claims.grant("r2", {"a": 21}, 0.05, demand=21, routers=2, short=21) == {"a": 0}  # r1 claimed first
+    assert claims.grant("r1", {"a": 21}, 0.06, demand=21, routers=2, short=21) == {"a": 21}
+    assert claims.grant("r2", {"a": 21}, 0.10, demand=21, routers=2, short=21) == {"a": 0}  # r1 holds it all
+    assert claims.grant("r1", {"a": 0}, 0.11, demand=21, routers=2) == {"a": 0}  # r1 committed it: no claim left
+    assert claims.grant("r2", {"a": 21}, 0.15, demand=21, routers=2, short=21) == {"a": 21}
 
 
 def test_count_output_blocks_charges_max_tokens_growth():
