@@ -3,7 +3,8 @@
 routing      KV-aware router vs Ray Serve's power-of-two router, 2 apps of 2 replicas side by side, same
              requests: a few long system prompts shared by many users (system + short user message,
              streamed, greedy); each round uses fresh system prompts, rounds alternate which app goes
-             first; the KV caches hold about half the system prompts. Prints TTFT p50/p99 (from a
+             first; the KV caches hold about half the system prompts. Each app first serves `--warmup`
+             unmeasured requests of unrelated prompts. Prints TTFT p50/p99 (from a
              request's first attempt; a 429 is retried after its Retry-After), output tok/s, prefix-cache
              hit rate, and the hit rate of an oracle that knows every replica's cache (a sequential
              simulation: each request goes to the replica with the longest cached prefix, LRU caches of the
@@ -98,12 +99,14 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                     return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "refused": refused,
                             "latency": time.perf_counter() - start,
                             "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
-                router_ms = server_timing_ms(r.headers.get("server-timing", "")).get("router")
+                timing = server_timing_ms(r.headers.get("server-timing", ""))
+                router_ms, replica_ms = timing.get("router"), timing.get("replica")
                 ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
         except httpx.HTTPError as e:
             return {"status": -1, "error": repr(e), "refused": refused}
         return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": tokens,
-                "refused": refused, "router_ttft": router_ms / 1000 if router_ms is not None else None}
+                "refused": refused, "router_ttft": router_ms / 1000 if router_ms is not None else None,
+                "replica_ttft": replica_ms / 1000 if replica_ms is not None else None}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -195,6 +198,10 @@ def routing(url: str, args: argparse.Namespace) -> None:
     apps = {"kv": app_args(args, request_router=json.loads(args.router)), "p2c": app_args(args, request_router=None)}
     names = [a for a in ROUTERS if a in args.apps.split(",")]
     deploy(url, {a: apps[a] for a in names})
+    rng = random.Random(999)  # prompts of the workload's shape that share nothing with it
+    warm = [rand_tokens(rng, args.system_len + rng.randint(*args.user_len)) for _ in range(args.warmup)]
+    for app in names:  # a fresh replica's first requests pay one-off costs: they went to whichever app ran first
+        asyncio.run(closed_loop(url, f"/{app}", warm, args.max_tokens, args.concurrency))
     res: dict[str, list[dict[str, Any]]] = {app: [] for app in names}
     rounds = [make_round(args, seed=r) for r in range(args.rounds)]
     for rnd, prompts in enumerate(rounds):
@@ -207,6 +214,7 @@ def routing(url: str, args: argparse.Namespace) -> None:
             view_after = asyncio.run(cluster_view(url, f"/{app}"))
             before, after = view["totals"], view_after["totals"]
             r = {"ttft": [o["ttft"] for o in out if o["status"] == 200], "tokens": sum(o.get("tokens", 0) for o in out),
+                 "inside": [(o["router_ttft"], o["replica_ttft"]) for o in out if o.get("replica_ttft") is not None],
                  "elapsed": elapsed, "refused": sum(o["refused"] for o in out),
                  "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
                  "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
@@ -230,6 +238,13 @@ def routing(url: str, args: argparse.Namespace) -> None:
         print(f"| {ROUTERS[app]} | {1000 * stat[app][0]:.1f} | {1000 * stat[app][1]:.1f} | {tps:.1f} | {hit:.1%} | "
               f"{sum(r['refused'] for r in runs)} |")
     print(f"| oracle (knows every cache; sequential simulation) | | | | {oracle:.1%} | |")
+    for app, runs in res.items():
+        inside = [x for r in runs for x in r["inside"]]
+        if inside:
+            router, replica = [x[0] for x in inside], [x[1] for x in inside]
+            print(f"{ROUTERS[app]}: TTFT inside the router p50/p99 {1000 * pct(router, .5):.1f} / "
+                  f"{1000 * pct(router, .99):.1f} ms, of which in the replica (arrival to first token) "
+                  f"{1000 * pct(replica, .5):.1f} / {1000 * pct(replica, .99):.1f} ms")
     if len(stat) < 2:
         return
     print(f"\nKV-aware vs power of two: TTFT p50 {100 * (stat['kv'][0] / stat['p2c'][0] - 1):+.1f}% (target <= -35%), "
@@ -372,6 +387,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=224, help="per replica; about half the system prompts fit")
     p.add_argument("--apps", default="kv,p2c", help="routing: which routers to run (kv, p2c)")
+    p.add_argument("--warmup", type=int, default=32, help="routing: unmeasured requests per app first, unrelated prompts")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
     p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
     p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
