@@ -387,7 +387,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=224, help="per replica; about half the system prompts fit")
     p.add_argument("--apps", default="kv,p2c", help="routing: which routers to run (kv, p2c)")
-    p.add_argument("--warmup", type=int, default=32, help="routing: unmeasured requests per app first, unrelated prompts")
+    p.add_argument("--warmup", type=int, default=32, help="routing: unmeasured requests per app first")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
     p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
     p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")

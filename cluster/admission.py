@@ -9,8 +9,9 @@ the next refresh and from then on counted there for every router, until the repl
 arrival (`num_added`; from a replica without the counter, stats received `settle_s` after it).
 Reservations carry the prompt's block keys: blocks on their way to a replica attract its prefix as if
 cached. Admission commits a replica's room only up to its high watermark; with several routers, each commits
-only within its lease of that headroom (cluster/leases.py), granted by the actor at every sync. Staleness is measured by receipt time on the actor and carried as
-an age in snapshots, so clocks of different hosts never get compared.
+only within its lease of that headroom (cluster/leases.py), granted by the actor at every sync. Staleness is
+measured by receipt time on the actor and carried as an age in snapshots, so clocks of different hosts never
+get compared.
 """
 from dataclasses import asdict, dataclass, field, replace
 import math

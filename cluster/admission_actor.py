@@ -50,8 +50,8 @@ class AdmissionActor:
         """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
         keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
         "routers": how many routers synced in the last `ROUTER_TTL_S`, and with `leases` on, "lease": the
-        router's new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: the blocks
-its request refused for want of lease needs)."""
+        router's new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: what
+        its request refused for want of lease needs)."""
         now = self.clock()
         if router_id is not None:
             self.routers[router_id] = now

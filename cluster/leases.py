@@ -44,7 +44,8 @@ class Leases:
         since = (prev.short_since if prev is not None and prev.short_since is not None else now) if short else None
         self.expire(now)
         others = list(self.held.values())
-        earlier = [o for o in others if o.short and o.short_since is not None and (since is None or o.short_since < since)]
+        earlier = [o for o in others
+                   if o.short and o.short_since is not None and (since is None or o.short_since < since)]
         total_demand = demand + sum(o.demand for o in others)
         k = max(routers, len(others) + 1)
         share = 0.5 / k + 0.5 * (demand / total_demand if total_demand else 1.0 / k)

@@ -148,7 +148,8 @@ def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] =
     rest = [s for s in usable if s not in pool]
     preferred = pool[0]
     least = min(pool, key=lambda s: (s.load, s.pressure))
-    first = least if not (ordered and preferred.replica_id in ok) and overloaded(preferred, least, cfg) else preferred
+    follow = ordered and preferred.replica_id in ok
+    first = least if not follow and overloaded(preferred, least, cfg) else preferred
     return [first.replica_id] + [s.replica_id for s in pool + rest if s is not first]
 
 
