@@ -5,15 +5,14 @@ One `AdmissionActor` per app (cluster/admission_actor.py) holds the cluster's so
 push stats and KV events to it every <= 100 ms. Each router keeps its own controller, refreshed in the
 background from the actor (`restore(snapshot, now)`), and asks `decide(...)` locally per request: no remote
 call on the request path. An admitted prompt is `reserve`d at once on the router, sent to the actor with
-the next refresh and from then on counted there for every router, until the replica's stats count its
-arrival (`num_added`; from a replica without the counter, stats received `settle_s` after it).
-Reservations carry the prompt's block keys: blocks on their way to a replica attract its prefix as if
+the next refresh and from then on counted there for every router, until the replica's stats include it
+(cluster/reservations.py). Reservations carry the prompt's block keys: blocks on their way to a replica attract its prefix as if
 cached. Admission commits a replica's room only up to its high watermark; with several routers, each commits
 only within its lease of that headroom (cluster/leases.py), granted by the actor at every sync. Staleness is
 measured by receipt time on the actor and carried as an age in snapshots, so clocks of different hosts never
 get compared.
 """
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 import math
 from typing import Any, Iterable, Sequence
 
@@ -21,6 +20,7 @@ from cluster.hot_blocks import HotBlocks
 from cluster.kv_index import KVIndex
 from cluster import placement
 from cluster.queue_time import queue_time_s, retry_after_s
+from cluster.reservations import Reservation, ReservationBook, SettleRule
 from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats
 
 def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
@@ -100,16 +100,6 @@ class Decision:
     new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """An admitted request not yet in its replica's stats. `at`: when this process learnt of it."""
-    replica_id: str
-    at: float
-    blocks: int
-    requests: int = 1
-    keys: tuple[bytes, ...] = ()
-
-
 @dataclass
 class ReplicaEntry:
     stats: ReplicaStats
@@ -126,14 +116,12 @@ class AdmissionController:
     def __init__(self, config: AdmissionConfig | None = None):
         self.config = config or AdmissionConfig()
         self.replicas: dict[str, ReplicaEntry] = {}
-        self._reserved: dict[str, list[Reservation]] = {}
-        self.inflight: list[Reservation] = []  # sent to the actor, not yet in a snapshot (router side)
+        self.book = ReservationBook()
         self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
         self.lease: dict[str, int] | None = None  # blocks this router may commit per replica (router side)
         self.lease_until = float("-inf")
         self.kv = KVIndex()
         self.hot = HotBlocks(self.config.hot_window_s)
-        self._arrived: dict[str, list[list[float]]] = {}  # per replica: [time, sequences] not matched yet
 
     def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
         """Takes a stats push (and its KV events); True when the replica must list its KV keys (reset)."""
@@ -146,61 +134,27 @@ class AdmissionController:
             saturated = True
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
         if prev is not None and stats.num_added is not None and prev.stats.num_added is not None:
-            self._count_arrivals(stats.replica_id, stats.num_added - prev.stats.num_added, now)
+            self.book.count_arrivals(stats.replica_id, stats.num_added - prev.stats.num_added, now,
+                                     self.config.arrival_credit_s)
         self._settle(stats.replica_id, now)
         if kv_events is None:
             return False
         return self.kv.apply(stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()),
                              bool(kv_events.get("reset")))
 
-    def _credit(self, replica_id: str, now: float) -> list[list[float]]:
-        """Arrivals counted in the last `arrival_credit_s` that no reservation has claimed yet."""
-        credit = [c for c in self._arrived.get(replica_id, ()) if now - c[0] <= self.config.arrival_credit_s]
-        self._arrived[replica_id] = credit
-        return credit
-
-    def _count_arrivals(self, replica_id: str, sequences: int, now: float) -> None:
-        if sequences > 0:
-            self._credit(replica_id, now).append([now, sequences])
-
-    def _take_arrivals(self, replica_id: str, sequences: int, now: float) -> bool:
-        credit = self._credit(replica_id, now)
-        if sum(c[1] for c in credit) < sequences:
-            return False
-        while sequences:
-            used = min(sequences, credit[0][1])
-            credit[0][1] -= used
-            sequences -= used
-            if not credit[0][1]:
-                credit.pop(0)
-        return True
-
     def _settle(self, replica_id: str, now: float) -> None:
-        """Drop reservations the replica's stats already include. A replica that counts the requests it took in
-        (num_added) settles them on arrival, oldest first (a reservation whose request never arrives: after
-        `settle_max_s`); else a reservation settles once stats received `settle_s` after it. A reservation
-        settled on arrival keeps attracting its prefix until then: the KV events of its prefill may come later."""
+        """Drop reservations the replica's stats already include (cluster.reservations)."""
         entry = self.replicas.get(replica_id)
         if entry is None:
-            self._reserved.pop(replica_id, None)
+            self.book.forget(replica_id)
             return
-        by_arrival = entry.stats.num_added is not None
-        limit = self.config.settle_max_s if by_arrival else self.config.settle_s
-        left = []
-        for r in sorted(self._reserved.get(replica_id, ()), key=lambda r: r.at):
-            if by_arrival and r.requests and self._take_arrivals(replica_id, r.requests, now):
-                r = replace(r, blocks=0, requests=0)  # counted in the stats now; its keys stay pending (below)
-            if entry.received_at < r.at + (limit if r.requests else self.config.settle_s):
-                left.append(r)
-        if left:
-            self._reserved[replica_id] = left
-        else:
-            self._reserved.pop(replica_id, None)
+        cfg = self.config
+        self.book.settle(replica_id, entry.received_at, entry.stats.num_added is not None, now,
+                         SettleRule(cfg.settle_s, cfg.settle_max_s, cfg.arrival_credit_s))
 
     def forget(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
-        self._reserved.pop(replica_id, None)
-        self._arrived.pop(replica_id, None)
+        self.book.forget(replica_id)
         self.kv.forget(replica_id)
         self.hot.forget(replica_id)
 
@@ -221,26 +175,23 @@ class AdmissionController:
     def open(self, entry: ReplicaEntry, now: float) -> bool:
         return self.fresh(entry, now) and not entry.saturated
 
-    def _own(self, replica_id: str) -> list[Reservation]:
-        return self._reserved.get(replica_id, []) + [r for r in self.inflight if r.replica_id == replica_id]
-
     def reserved(self, replica_id: str) -> tuple[int, int]:
         """(blocks, requests) admitted to the replica that its stats cannot include yet, every router's.
         Own reservations the actor has not shared yet count once per router (blocks: unless this router holds a
         lease, which bounds the others): until the next refresh each of the others may be admitting as much."""
-        entry, own, k = self.replicas[replica_id], self._own(replica_id), self.num_routers
+        entry, own, k = self.replicas[replica_id], self.book.own(replica_id), self.num_routers
         return (entry.shared_blocks + (1 if self.lease is not None else k) * sum(r.blocks for r in own),
                 entry.shared_requests + k * sum(r.requests for r in own))
 
     def lease_room(self, replica_id: str, now: float) -> int:
         """Blocks of its lease this router has not committed yet (0 once the lease has expired)."""
         lease = self.lease.get(replica_id, 0) if self.lease is not None and now <= self.lease_until else 0
-        return lease - sum(r.blocks for r in self._own(replica_id))
+        return lease - sum(r.blocks for r in self.book.own(replica_id))
 
     def unseen_blocks(self, replica_id: str) -> int:
         """Reserved blocks newer than the replica's last stats, every router's (own ones once per router)."""
         e = self.replicas[replica_id]
-        return e.shared_unseen_blocks + self.num_routers * sum(r.blocks for r in self._own(replica_id)
+        return e.shared_unseen_blocks + self.num_routers * sum(r.blocks for r in self.book.own(replica_id)
                                                                if r.at > e.received_at)
 
     def room(self, replica_id: str) -> int:
@@ -275,7 +226,7 @@ class AdmissionController:
 
     def pending_keys(self, replica_id: str) -> set[bytes]:
         keys = set(self.replicas[replica_id].shared_keys)
-        for r in self._own(replica_id):
+        for r in self.book.own(replica_id):
             keys.update(r.keys)
         return keys
 
@@ -323,24 +274,9 @@ class AdmissionController:
                 keys: Sequence[bytes] = ()) -> None:
         """Charge an admitted request to a replica until stats that can include it arrive."""
         if replica_id in self.replicas:
-            self._reserved.setdefault(replica_id, []).append(
-                Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
+            self.book.add(Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
             self._settle(replica_id, now)
             self.hot.record(replica_id, keys, now)
-
-    def take_reservations(self) -> list[Reservation]:
-        """Router side: this process's reservations, to send to the actor; counted as in flight until the
-        next `restore` (whose snapshot includes them) or `untake` (the send failed)."""
-        taken = [r for rs in self._reserved.values() for r in rs]
-        self._reserved = {}
-        self.inflight += taken
-        return taken
-
-    def untake(self, taken: list[Reservation]) -> None:
-        ids = {id(r) for r in taken}
-        self.inflight = [r for r in self.inflight if id(r) not in ids]
-        for r in taken:
-            self._reserved.setdefault(r.replica_id, []).append(r)
 
     def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None,
                keys: Sequence[bytes] = (), output_blocks: int = 0) -> Decision:
@@ -463,13 +399,13 @@ class AdmissionController:
             r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())),
             r.get("unseen_reserved_blocks", 0))
             for r in snapshot["replicas"]}
-        self.inflight = []
+        self.book.shared()
         self.num_routers = max(1, int(snapshot.get("routers", 1)))
         self.lease = snapshot.get("lease")
         self.lease_until = (now if asked_at is None else asked_at) + self.config.lease_s
         if "changes" in kv:
             self.kv.load(kv["changes"])
-        for rid in list(self._reserved):
+        for rid in list(self.book.held):
             self._settle(rid, now)
 
     @classmethod

@@ -120,7 +120,7 @@ class AdmissionClient:
 
     async def refresh(self) -> dict[str, Any]:
         async with self._lock:
-            taken = self.controller.take_reservations()
+            taken = self.controller.book.take()
             try:
                 if self._actor is None:
                     self._actor = await asyncio.wait_for(self._get_actor(), timeout=2.0)
@@ -131,7 +131,7 @@ class AdmissionClient:
                 snapshot = await asyncio.wait_for(call, timeout=2.0)
             except Exception as e:
                 self._actor, self.failed_at, self.error = None, self.clock(), e
-                self.controller.untake(taken)
+                self.controller.book.untake(taken)
                 raise
             self.fetched_at = self.clock()
             self.controller.restore(snapshot, self.fetched_at, asked_at)

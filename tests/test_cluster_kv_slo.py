@@ -231,7 +231,7 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
         free_b, lease_b = one.controller.room("b"), one.controller.lease_room("b", clock[0])
         one.controller.reserve("b", 3, clock[0])  # not shared yet: counts against this router's lease
         assert one.controller.room("b") == free_b - 3 and one.controller.lease_room("b", clock[0]) == lease_b - 3
-        one.controller._reserved.clear()
+        one.controller.book.held.clear()
         assert two.controller.cached_blocks(d1.replicas[0], h) == 20  # one's prompt, on its way there
         d3 = await two.decide(1, keys=h)
         assert d3.admit
@@ -262,8 +262,8 @@ def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: 
         return Handle(body)
 
     def committed(routers: list[AdmissionClient], rid: str) -> int:
-        return (sum(r.blocks for r in body.controller._reserved.get(rid, ()))
-                + sum(r.blocks for c in routers for r in c.controller._own(rid)))
+        return (sum(r.blocks for r in body.controller.book.held.get(rid, ()))
+                + sum(r.blocks for c in routers for r in c.controller.book.own(rid)))
 
     async def scenario() -> int:
         routers = [AdmissionClient(get, clock=lambda: 0.0) for _ in range(2)]
