@@ -249,3 +249,42 @@ def test_two_routers_queue_time_objective_refuses_with_retry_after_and_loses_not
         assert replica.stats.remote().result()["num_finished"] >= 1
     finally:
         serve.delete("slo")
+
+
+def test_two_routers_commit_within_leases_and_no_request_is_preempted(cluster: SimpleNamespace) -> None:
+    """KV cache the limit: 2 router replicas admit a burst within the leases the admission actor grants each
+    at every sync, so together they never commit more than a replica's headroom (room up to the high
+    watermark, every request's growth to max_tokens counted): the excess gets 429 no_room, nothing is
+    preempted, nothing lost."""
+    run_apps(leases={"engine": {**ENGINE, "num_blocks": 48}, "num_replicas": 2, "router_replicas": 2,
+                     "admission": {"count_output_blocks": True}})
+    url, http = f"{cluster.url}/leases", httpx.Client(base_url=f"{cluster.url}/leases", timeout=60)
+    try:
+        rng = random.Random(5)
+        for _ in range(4):
+            assert http.post("/v1/completions", json={"prompt": tokens(rng, 40), "max_tokens": 8}).status_code == 200
+
+        def leased() -> bool:
+            snap = http.get("/v1/cluster").json()
+            ids = {r["replica_id"] for r in snap["replicas"]}
+            return snap.get("routers") == 2 and len(ids) == 2 and set(snap.get("lease", {})) == ids
+        eventually(leased, 20, "both routers sync and hold a lease of both replicas")
+        bodies = [{"prompt": tokens(rng, 120), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+                  for _ in range(40)]  # 11 blocks each; a replica's headroom is 43 of its 48
+        resps = asyncio.run(post_all(url, bodies))
+        codes = [r.status_code for r in resps]
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+        for r in resps:
+            if r.status_code == 200:
+                assert r.json()["usage"]["completion_tokens"] == 48
+            else:
+                assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "no_room"
+
+        def idle() -> bool:
+            snap = http.get("/v1/cluster").json()
+            return all(r["num_running"] == r["num_waiting"] == 0 and r["kv_blocks_free"] == r["kv_blocks_total"] == 48
+                       for r in snap["replicas"]) and len(snap["replicas"]) == 2
+        eventually(idle, 20, "both block pools are whole again")
+        assert [r["num_preemptions"] for r in http.get("/v1/cluster").json()["replicas"]] == [0, 0]
+    finally:
+        serve.delete("leases")
