@@ -208,6 +208,10 @@ class AdmissionController:
         total = self.replicas[replica_id].stats.kv_blocks_total
         return math.ceil(round((1.0 - self.config.high_watermark) * total, 6))
 
+    def capacity(self, replica_id: str) -> int:
+        """An idle replica's headroom: its cache up to the high watermark."""
+        return self.replicas[replica_id].stats.kv_blocks_total - self.reserve_blocks(replica_id)
+
     def headroom(self, replica_id: str) -> int:
         """Blocks admission may still commit before the replica's demand passes its high watermark."""
         return self.room(replica_id) - self.reserve_blocks(replica_id)
@@ -215,14 +219,13 @@ class AdmissionController:
     def fits(self, replica_id: str, need: int, headroom: int | None = None) -> bool:
         """The request keeps demand within the high watermark (or within `headroom`, a lease); on an idle replica,
         any request that fits its cache."""
-        cap = self.replicas[replica_id].stats.kv_blocks_total - self.reserve_blocks(replica_id)
+        cap = self.capacity(replica_id)
         return (self.headroom(replica_id) if headroom is None else headroom) >= min(need, cap)
 
     def even_share(self, replica_id: str) -> int:
         """An idle replica's headroom split evenly among the routers: a larger request cannot wait for a lease
         (it might never get one), so it is decided on this router's own view."""
-        total = self.replicas[replica_id].stats.kv_blocks_total
-        return (total - self.reserve_blocks(replica_id)) // self.num_routers
+        return self.capacity(replica_id) // self.num_routers
 
     def pending_keys(self, replica_id: str) -> set[bytes]:
         keys = set(self.replicas[replica_id].shared_keys)

@@ -57,6 +57,26 @@ def running_replicas(app: str) -> int:
     return serve.status().applications[app].deployments["LLMReplica"].replica_states.get("RUNNING", 0)
 
 
+def assert_burst(resps: list[httpx.Response], max_tokens: int, refusal: str) -> None:
+    """Some admitted, some refused: every 200 complete, every refusal a 429 `refusal` with Retry-After."""
+    codes = [r.status_code for r in resps]
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    for r in resps:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == max_tokens
+        else:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == refusal
+
+
+def await_pools_whole(http: httpx.Client, blocks: int, replicas: int = 2) -> None:
+    def whole() -> bool:
+        snap = http.get("/v1/cluster").json()
+        return len(snap["replicas"]) == replicas and all(
+            r["num_running"] == r["num_waiting"] == 0 and r["kv_blocks_free"] == r["kv_blocks_total"] == blocks
+            for r in snap["replicas"])
+    eventually(whole, 20, "every block pool is whole again")
+
+
 async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=len(bodies))
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
@@ -229,21 +249,9 @@ def test_two_routers_queue_time_objective_refuses_with_retry_after_and_loses_not
         assert all(r["rates"]["finished_per_s"] > 0 for r in snap["replicas"])
         bodies = [{"prompt": tokens(rng, 40), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
                   for _ in range(48)]
-        resps = asyncio.run(post_all(url, bodies))
-        codes = [r.status_code for r in resps]
-        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
-        for r in resps:
-            if r.status_code == 200:
-                assert r.json()["usage"]["completion_tokens"] == 48
-            else:
-                assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_time"
+        assert_burst(asyncio.run(post_all(url, bodies)), 48, "queue_time")
         replica = serve.get_deployment_handle("LLMReplica", app_name="slo")
-
-        def idle() -> bool:
-            snap = http.get("/v1/cluster").json()
-            return all(r["num_running"] == r["num_waiting"] == 0 and r["kv_blocks_free"] == r["kv_blocks_total"] == 128
-                       for r in snap["replicas"]) and len(snap["replicas"]) == 2
-        eventually(idle, 20, "both block pools are whole again")
+        await_pools_whole(http, 128)
         routers = serve.status().applications["slo"].deployments["Router"].replica_states.get("RUNNING", 0)
         assert routers == 2
         assert replica.stats.remote().result()["num_finished"] >= 1
@@ -271,20 +279,8 @@ def test_two_routers_commit_within_leases_and_no_request_is_preempted(cluster: S
         eventually(leased, 20, "both routers sync and hold a lease of both replicas")
         bodies = [{"prompt": tokens(rng, 120), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
                   for _ in range(40)]  # 11 blocks each; a replica's headroom is 43 of its 48
-        resps = asyncio.run(post_all(url, bodies))
-        codes = [r.status_code for r in resps]
-        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
-        for r in resps:
-            if r.status_code == 200:
-                assert r.json()["usage"]["completion_tokens"] == 48
-            else:
-                assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "no_room"
-
-        def idle() -> bool:
-            snap = http.get("/v1/cluster").json()
-            return all(r["num_running"] == r["num_waiting"] == 0 and r["kv_blocks_free"] == r["kv_blocks_total"] == 48
-                       for r in snap["replicas"]) and len(snap["replicas"]) == 2
-        eventually(idle, 20, "both block pools are whole again")
+        assert_burst(asyncio.run(post_all(url, bodies)), 48, "no_room")
+        await_pools_whole(http, 48)
         assert [r["num_preemptions"] for r in http.get("/v1/cluster").json()["replicas"]] == [0, 0]
     finally:
         serve.delete("leases")
