@@ -1,6 +1,7 @@
-"""C++ CPU kernels (kernels/csrc/cpu_ops.cpp, AVX-512): paged attention reading the block cache in
-place, the KV store, fused RMSNorm(+residual), SiLU·mul and RoPE, thread binding. Built once with
-torch's cpp_extension on first use and cached per CPU; `load()` is None where they cannot run.
+"""C++ CPU kernels (kernels/csrc/, AVX-512): paged attention reading the block cache in place and
+the KV store (paged_attention.h), fused RMSNorm(+residual), SiLU·mul and RoPE, thread binding
+(cpu_ops.cpp). Built once with torch's cpp_extension on first use and cached per CPU; `load()` is
+None where they cannot run.
 
 The caches keep the engine's [num_blocks, block_size, kv_heads, head_dim] shape, but inside a block
 these kernels lay K out as [kv_heads, head_dim, block_size] and V as [kv_heads, block_size, head_dim]
@@ -15,9 +16,11 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "cpu_ops.cpp"  # one translation unit; it includes the headers beside it
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+# -fopenmp: at::parallel_for is a header template; without it the kernels' loops run on one thread
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
           "-ffp-contract=off"]
 log = logging.getLogger("conveyor")
 
@@ -39,11 +42,13 @@ def load() -> ModuleType | None:
     if missing:
         log.info("C++ CPU kernels off: the CPU lacks %s", ", ".join(missing))
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()))
+                            + " ".join(CFLAGS).encode()
                             + torch.__version__.encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as build
-        return build(name=f"conveyor_cpu_ops_{digest}", sources=[str(SOURCE)], extra_cflags=CFLAGS)
+        return build(name=f"conveyor_cpu_ops_{digest}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: the pure-torch path still runs
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
         return None

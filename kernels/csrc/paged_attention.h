@@ -1,0 +1,247 @@
+// Paged attention over the block cache in place (decodes and prefills of a step in one call, GQA
+// without expanding K/V) and the KV store that writes the cache in the layout it reads.
+//
+// The CPU backend's own block layout, written only by store_kv_cache and read only by
+// paged_attention, inside the [BS, KVH, D] block the engine allocates: a K block is [KVH, D, BS]
+// (16 keys along the lanes, so 16 scores come out of one FMA chain with no horizontal sums) and a
+// V block [KVH, BS, D]. Each head's slice of a block is contiguous, which the prefetcher streams.
+#pragma once
+#include <cstring>
+#include <limits>
+
+#include "simd.h"
+
+namespace {
+
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end;
+};
+
+// Keys go a tile of up to 8 chunks at a time and rows 4 at a time: a row group's scores over the
+// tile, one softmax pass per row (one max and one sum reduction per 128 keys, not per 16), then P.V
+// with the accumulators in registers; the group's probabilities stay in L1.
+constexpr int64_t kTileChunks = 8;
+constexpr int64_t kTileLanes = 16 * kTileChunks;
+
+// Up to 16 consecutive keys of one block: dim i of key j at k[i * bs + j], its value row at v + j * d.
+template <typename T>
+struct Chunk {
+  const T* k;
+  const T* v;
+  int64_t key0, n;  // position of the first key, keys in the chunk
+};
+
+// f(std::integral_constant<int, N>{}) for N = n, 1 <= n <= 4.
+template <typename F>
+inline void upto4(int64_t n, const F& f) {
+  switch (n) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// s[i * lds + 16 j + lane] = q_i . key (lane) of chunk j, for NR query rows and NC chunks.
+template <int NR, int NC, typename T>
+inline void tile_scores(const float* q, int64_t d, const Chunk<T>* c, int64_t bs, float* s, int64_t lds) {
+  __m512 acc[NR][NC];
+  __mmask16 mask[NC];
+  for (int j = 0; j < NC; ++j) mask[j] = __mmask16((1u << c[j].n) - 1u);
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d; ++k) {
+    __m512 kv[NC];
+    for (int j = 0; j < NC; ++j) kv[j] = load_n(c[j].k + k * bs, mask[j]);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 qb = _mm512_set1_ps(q[i * d + k]);
+      for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_fmadd_ps(qb, kv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(s + i * lds + 16 * j, acc[i][j]);
+}
+
+// One row's online-softmax step over a tile, for a row that sees the keys at positions <= pos (at
+// least the tile's first): scores become probabilities in place (0 where unseen), m and l move on,
+// and the factor for the row's accumulator is returned.
+template <typename T>
+inline float tile_softmax(float* s, const Chunk<T>* c, int64_t nc, int64_t pos, float& m, float& l) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t seen = 0;
+  for (; seen < nc && c[seen].key0 <= pos; ++seen) {
+    const int64_t valid = std::min(c[seen].n, pos - c[seen].key0 + 1);
+    mx = _mm512_mask_max_ps(mx, __mmask16((1u << valid) - 1u), mx, _mm512_loadu_ps(s + 16 * seen));
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
+  const float corr = std::exp(m - m_new);
+  const __m512 mn = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t x = 0; x < seen; ++x) {
+    const __mmask16 mask = __mmask16((1u << std::min(c[x].n, pos - c[x].key0 + 1)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mn)));
+    _mm512_storeu_ps(s + 16 * x, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  for (int64_t x = seen; x < nc; ++x) _mm512_storeu_ps(s + 16 * x, _mm512_setzero_ps());
+  l = l * corr + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return corr;
+}
+
+// acc_i[col, col + 16 NV) = acc_i * corr_i + sum_j p_i[j] v_j over the tile's keys before limit
+// (no row of the group sees a later one; those may not be written yet), for NR rows.
+template <int NR, int NV, typename T>
+inline void tile_values(float* acc, int64_t d, int64_t col, const float* corr, const float* p, int64_t ldp,
+                        const Chunk<T>* c, int64_t nc, int64_t limit) {
+  __m512 a[NR][NV];
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < NV; ++v)
+      a[i][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + col + 16 * v), _mm512_set1_ps(corr[i]));
+  for (int64_t x = 0; x < nc && c[x].key0 < limit; ++x) {
+    const int64_t n = std::min(c[x].n, limit - c[x].key0);
+    const T* vr = c[x].v + col;
+    const float* px = p + 16 * x;
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + j * d + 16 * v);
+      for (int i = 0; i < NR; ++i) {
+        const __m512 pb = _mm512_set1_ps(px[i * ldp + j]);
+        for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(pb, vv[v], a[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + i * d + col + 16 * v, a[i][v]);
+}
+
+inline int64_t scratch_floats(int64_t rows, int64_t d) { return rows * (2 * d + 2) + 4 * (1 + kTileLanes) + 64; }
+
+// One kv head of one sequence for query tokens [q_begin, q_end): rows are (token, head of the group).
+template <typename T>
+void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T* vc, const int32_t* tables,
+                    const int32_t* seq_lens, const int32_t* qsl, int64_t table_width, int64_t heads,
+                    int64_t kv_heads, int64_t d, int64_t bs, int64_t q_stride, float scale, float* scratch) {
+  const int64_t g = heads / kv_heads, nv = d / 16;
+  const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+  const int64_t pos0 = seq_lens[w.seq] - q_len + (w.q_begin - qsl[w.seq]);  // position of row 0
+  const int64_t rows = (w.q_end - w.q_begin) * g, last_pos = pos0 + (rows - 1) / g;
+  float* qs = scratch;         // [rows, d] scaled queries
+  float* acc = qs + rows * d;  // [rows, d]
+  float* m = acc + rows * d;   // [rows]
+  float* l = m + rows;         // [rows]
+  float* corr = l + rows;      // [4] a row group's rescale factors
+  float* p = corr + 4;         // [4, kTileLanes] a row group's scores over the tile, then probabilities
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + (w.q_begin + r / g) * q_stride + (w.kv_head * g + r % g) * d;
+    for (int64_t v = 0; v < nv; ++v)
+      _mm512_storeu_ps(qs + r * d + 16 * v, _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale)));
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  const int32_t* table = tables + w.seq * table_width;
+  const int64_t cs = std::min<int64_t>(16, bs), per_block = bs / cs, head_elems = d * bs;
+  const int64_t block_elems = kv_heads * head_elems, num_chunks = last_pos / cs + 1;
+  Chunk<T> ch[kTileChunks];
+  for (int64_t c0 = 0; c0 < num_chunks; c0 += kTileChunks) {
+    const int64_t nc = std::min(kTileChunks, num_chunks - c0);
+    for (int64_t x = 0; x < nc; ++x) {
+      const int64_t b = (c0 + x) / per_block, off = ((c0 + x) % per_block) * cs;
+      const int64_t base = int64_t(table[b]) * block_elems + w.kv_head * head_elems;
+      const int64_t key0 = b * bs + off;
+      ch[x] = {kc + base + off, vc + base + off * d, key0, std::min(cs, last_pos - key0 + 1)};
+    }
+    const int64_t first = ch[0].key0 > pos0 ? (ch[0].key0 - pos0) * g : 0;  // earlier rows see none of it
+    for (int64_t r = first; r < rows; r += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r), group_end = pos0 + (r + nr - 1) / g + 1;
+      int64_t ncg = 0;
+      while (ncg < nc && ch[ncg].key0 < group_end) ++ncg;
+      for (int64_t x = 0; x < ncg; x += 4)
+        upto4(nr, [&](auto NR) {
+          upto4(std::min<int64_t>(4, ncg - x), [&](auto NC) {
+            tile_scores<decltype(NR)::value, decltype(NC)::value>(qs + r * d, d, ch + x, bs, p + 16 * x, kTileLanes);
+          });
+        });
+      for (int64_t i = 0; i < nr; ++i)
+        corr[i] = tile_softmax(p + i * kTileLanes, ch, ncg, pos0 + (r + i) / g, m[r + i], l[r + i]);
+      for (int64_t v = 0; v < nv; v += 4)
+        upto4(nr, [&](auto NR) {
+          upto4(std::min<int64_t>(4, nv - v), [&](auto NV) {
+            tile_values<decltype(NR)::value, decltype(NV)::value>(acc + r * d, d, 16 * v, corr, p, kTileLanes, ch,
+                                                                  ncg, group_end);
+          });
+        });
+    }
+  }
+  const int64_t tok_stride = heads * d;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (w.q_begin + r / g) * tok_stride + (w.kv_head * g + r % g) * d;
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    for (int64_t v = 0; v < nv; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * v), inv));
+  }
+}
+
+// q [T, H, D] (token rows may be strided, as a slice of the fused qkv), out [T, H, D] contiguous; caches [num_blocks, block_size, KVH, D];
+// block_tables [S, W]; seq_lens [S] context after this step; query_start_loc [S + 1].
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                     double scale) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors");
+  const int64_t heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(d % 16 == 0 && heads % kv_heads == 0, "head_dim must be a multiple of 16");
+  auto tables = block_tables.to(torch::kInt32).contiguous();
+  auto lens = seq_lens.to(torch::kInt32).contiguous();
+  auto qsl = query_start_loc.to(torch::kInt32).contiguous();
+  const int32_t* qs = qsl.data_ptr<int32_t>();
+  const int64_t g = heads / kv_heads, tile = std::max<int64_t>(1, 64 / g), num_seqs = lens.size(0);
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int32_t t = qs[s]; t < qs[s + 1]; t += tile)
+      for (int32_t h = 0; h < kv_heads; ++h)
+        items.push_back({int32_t(s), h, t, int32_t(std::min<int64_t>(t + tile, qs[s + 1]))});
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.q_end - a.q_begin > b.q_end - b.q_begin; });
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    parallel_items(items.size(), scratch_floats(tile * g, d), [&](int64_t i, float* buf) {
+      attention_item<T>(items[i], q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), qs, tables.size(1), heads, kv_heads,
+                        d, bs, q.stride(0), float(scale), buf);
+    });
+  });
+}
+
+// key/value [T, KVH, D] rows (token stride may differ) -> flat slots of the caches, in the layout
+// paged_attention reads (K [KVH, D, BS], V [KVH, BS, D] per block); slot -1 skipped.
+void store_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "key/value rows must be [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3), n = key.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  dispatch(key.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* ks = key.data_ptr<T>();
+    const T* vs = value.data_ptr<T>();
+    T* kd = k_cache.data_ptr<T>();
+    T* vd = v_cache.data_ptr<T>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (sp[t] < 0) continue;
+        const int64_t block = sp[t] / bs, off = sp[t] % bs;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* kr = ks + t * key.stride(0) + h * d;
+          T* kt = kd + ((block * kv_heads + h) * d) * bs + off;
+          for (int64_t i = 0; i < d; ++i) kt[i * bs] = kr[i];
+          std::memcpy(vd + ((block * kv_heads + h) * bs + off) * d, vs + t * value.stride(0) + h * d, d * sizeof(T));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
