@@ -56,12 +56,13 @@ class ModelRunner:
             self.model = LlamaForCausalLM(hf, ops, config.max_model_len)
         torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model_path, hf.tie_word_embeddings)
-        if config.prepack_weights and self.device.type == "cpu":
-            pack_weights(self.model)
         if config.cpu_threads_bind == "auto" and ops.fused is not None:
             allowed, n = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
             cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
             log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
+        if config.prepack_weights and self.device.type == "cpu":
+            with torch.inference_mode():
+                pack_weights(self.model)  # timed per shape: after the threads are bound
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
         self.head_dim = head_dim_of(hf)

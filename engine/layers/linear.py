@@ -1,6 +1,10 @@
 """Linear layers sharded for tensor parallelism (identity sharding at tp=1).
 
 Each weight_loader receives a tensor or a safetensors slice and reads only this rank's part."""
+import time
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,29 +16,72 @@ def _rows(loaded, start: int, size: int) -> torch.Tensor:
     return loaded[start:start + size]
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+PLAIN_MARGIN = 1.25  # timings on a shared machine are noisy: packed, the usual winner, stays unless clearly beaten
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in oneDNN's blocked layout, used for inputs of at least min_rows rows."""
+    tensor: torch.Tensor
+    min_rows: int
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), through oneDNN's prepacked weight on CPU when one was made."""
-    if packed is None or (x.shape[0] < 4 and x.dtype == torch.float32):  # float32 GEMV: packed ran 0.5-0.9x
+    """x @ weight.T (+ bias), through oneDNN's prepacked weight on CPU where it was measured faster."""
+    if packed is None or x.shape[0] < packed.min_rows:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+
+
+def _seconds(a: Callable[[], object], b: Callable[[], object], rounds: int = 4, reps: int = 3) -> tuple[float, float]:
+    """The best of several timings of a and of b, alternated so that a noisy neighbour slows both alike."""
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, fn in enumerate((a, b)):
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+def _pack(weight: torch.Tensor) -> PackedWeight | None:
+    """oneDNN's blocked layout for this weight, unless the plain layout is clearly faster on this CPU
+    (by PLAIN_MARGIN, timed for a decode GEMV of 1 row and a batch of 32). Which wins depends on
+    the CPU and the shape: on an Intel AMX machine plain float32 was faster below 2^19 elements and
+    for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV 8x
+    faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row)."""
+    w = weight.data
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    plain_wins = []
+    for rows in (1, 32):
+        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+        t_packed, t_plain = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                     lambda: F.linear(x, w))
+        plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
+    gemv, batch = plain_wins
+    return None if batch else PackedWeight(packed, 4 if gemv else 1)
 
 
 def pack_weights(model: nn.Module) -> int:
-    """Reorders every linear weight once into oneDNN's blocked layout, as Inductor's CPU freezing
-    does: on this 2-core AVX-512/AMX machine a [32, 768] x [768, 4096] GEMM ran 3.4x (float32) and
-    2x (bfloat16, AMX) faster than F.linear. Small float32 weights stay plain: below 2^19 elements
-    (demo:tiny's 256-wide projections) packed ran 0.5-0.95x at 8-64 rows, while bfloat16 gained at
-    every size measured (1 thread, 1-2048 rows). Returns how many weights were packed."""
+    """Reorders linear weights once into oneDNN's blocked layout, as Inductor's CPU freezing does,
+    where that measured faster on this CPU (one timing per distinct shape). Returns how many were packed."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
+    choice: dict[tuple, bool] = {}
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if getattr(module, "packable", False) and w.device.type == "cpu" and (
-                w.dtype != torch.float32 or w.numel() >= 2 ** 19):
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, None)
-            n += 1
+        if not getattr(module, "packable", False) or w.device.type != "cpu":
+            continue
+        key = (tuple(w.shape), w.dtype)
+        if key not in choice:
+            module.packed = _pack(w)
+            choice[key] = module.packed.min_rows if module.packed is not None else 0
+        elif choice[key]:
+            module.packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.data, None), choice[key])
+        n += module.packed is not None
     return n
 
 
