@@ -67,7 +67,9 @@ def test_tp_matches_tp1(model: str, tp: int) -> None:
         seq = prompts[2] + want[2][:-1]
         logits = llm.engine.executor.collective_rpc(sequence_logits, seq)
         assert all(x is None for x in logits[1:])
-        torch.testing.assert_close(logits[0], sequence_logits(ref.engine.executor.runner, seq), rtol=1e-4, atol=1e-4)
+        # Each rank times plain against oneDNN-packed GEMMs for its own shard's shape, so the ranks and the
+        # tp=1 run may sum in different orders: up to 2.2e-4 apart on these logits (1.3e-6 per GEMM).
+        torch.testing.assert_close(logits[0], sequence_logits(ref.engine.executor.runner, seq), rtol=1e-4, atol=5e-4)
         assert_no_leak(llm)
     finally:
         llm.engine.shutdown()

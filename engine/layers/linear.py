@@ -53,7 +53,10 @@ def _pack(weight: torch.Tensor) -> PackedWeight | None:
     for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV 8x
     faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row)."""
     w = weight.data
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    except RuntimeError:  # e.g. float16 without AVX512-FP16 / AVX-NE-CONVERT
+        return None
     plain_wins = []
     for rows in (1, 32):
         x = torch.randn(rows, w.shape[1], dtype=w.dtype)
