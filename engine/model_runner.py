@@ -173,8 +173,10 @@ class ModelRunner:
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
              sample_idx: torch.Tensor, batch: SamplingBatch | None) -> tuple[torch.Tensor, list | None]:
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[sample_idx])
+        if meta.sampled is not None:
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta, keep=sample_idx))
+        else:
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta)[sample_idx])
         return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
@@ -219,7 +221,21 @@ class ModelRunner:
             prefill_max_query_len=int(q_lens[nd:].max()) if nd < n else 0,
             prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < n else 0,
             block_tables=t(block_tables), seq_lens=t(seq_lens32), query_start_loc=t(cu.astype(np.int32)))
+        if len(sample_idx) < cu[-1]:
+            meta.sampled = self._sampled_meta(meta.slot_mapping, block_tables[sample], seq_lens32[sample])
         return t(input_ids), t(positions), meta, t(sample_idx), rows[sample], sampled
+
+    def _sampled_meta(self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray
+                      ) -> AttentionMetadata:
+        """The last layer's view: this step's slots, one query per sampled sequence at its last position."""
+        n, dev = len(seq_lens), self.device
+        tables, lens = torch.from_numpy(block_tables).to(dev), torch.from_numpy(seq_lens).to(dev)
+        none = torch.zeros(0, dtype=torch.int32, device=dev)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping, num_decodes=n, decode_block_tables=tables, decode_seq_lens=lens,
+            decode_max_seq_len=int(seq_lens.max()) if n else 0, prefill_block_tables=tables[:0],
+            prefill_seq_lens=none, prefill_query_start_loc=none, prefill_max_query_len=0, prefill_max_seq_len=0,
+            block_tables=tables, seq_lens=lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev))
 
     def _sampling_batch(self, req_ids: list[str], rows: np.ndarray) -> SamplingBatch:
         dev, n, b = self.device, len(req_ids), self.batch

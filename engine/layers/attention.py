@@ -23,6 +23,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    # The last layer's view when only some tokens are sampled: the same slots to store this step's K/V,
+    # and one query per sampled sequence (its last token), as decodes.
+    sampled: "AttentionMetadata | None" = None
 
 
 class Attention(nn.Module):

@@ -42,9 +42,10 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
         self.fused_rope = fused_rope(ops, self.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        """rope: this step's (cos, sin), or with the fused kernel (positions, the model's RotaryEmbedding)."""
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """rope: this step's (cos, sin), or with the fused kernel (positions, the model's RotaryEmbedding).
+        keep: K/V are stored for every token, the output computed only for the tokens at these indices."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -57,6 +58,8 @@ class DecoderAttention(nn.Module):
             self.fused_rope.rotary_embedding_(positions, q, k, table.cos, table.sin)  # in place on this step's q, k
         else:
             q, k = apply_rotary(q, k, *rope)
+        if keep is not None:
+            q, meta = q[keep], meta.sampled
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(-1, q_size))
 
@@ -86,12 +89,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.fused)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.self_attn(rope, x, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -111,11 +116,16 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of every token, or with keep (and meta.sampled) of the tokens at those indices
+        only: past the last layer's K/V nothing else is read, so the rest of it (attention, o_proj, MLP)
+        and the final norm run on the sampled tokens alone."""
         x, residual = self.embed_tokens(input_ids), None
         rope = (positions, self.rotary_emb) if self.fused_rope else self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual, meta, keep if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
