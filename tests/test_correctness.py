@@ -130,3 +130,30 @@ def test_triton_backend_matches_torch(oracle) -> None:
     assert got == reference
     assert [o.outputs[0].token_ids for o in again] == reference
     assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def test_last_layer_on_sampled_tokens_only_matches_every_token() -> None:
+    """A step with a prefill chunk that samples and one that does not: the model run with keep (the last
+    layer past its K/V on the sampled rows only) gives the hidden states of the full run at those rows,
+    and the same K/V cache."""
+    import torch
+
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+    from engine.step import NewRequestData, ScheduledChunk
+
+    runner = LLM("demo:tiny", dtype="float32").engine.core.core.executor.runner
+    a, b = list(range(5, 45)), list(range(100, 130))
+    for rid, ids in (("a", a), ("b", b)):
+        runner._add_request(NewRequestData(rid, ids, SamplingParams(), []))
+    runner.batch.set_blocks("a", [0, 1, 2], append=False)
+    runner.batch.set_blocks("b", [3, 4], append=False)
+    chunks = [ScheduledChunk("a", a, 0, [0, 1, 2], True, True), ScheduledChunk("b", b[:20], 0, [3, 4], True, False)]
+    with torch.inference_mode():
+        input_ids, positions, meta, sample_idx, *_ = runner._prepare(chunks)
+        assert meta.sampled is not None and sample_idx.tolist() == [39]
+        want = runner.model(input_ids, positions, meta)[sample_idx]
+        cache = runner.kv_cache.clone()
+        got = runner.model(input_ids, positions, meta, keep=sample_idx)
+    assert torch.equal(runner.kv_cache, cache)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

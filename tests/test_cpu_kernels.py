@@ -87,3 +87,18 @@ def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:
     assert EngineConfig(model="demo:tiny", dtype="float32").attention_backend == "cpu"
     assert EngineConfig(model="demo:tiny", dtype="bfloat16").attention_backend == "cpu"
     assert EngineConfig(model="demo:tiny", dtype="float16").attention_backend == "torch"
+
+
+def test_kernels_run_on_every_torch_thread_and_bind_one_per_core() -> None:
+    """Built without -fopenmp, at::parallel_for ran each kernel on one thread and bind_threads pinned
+    only the caller (to the last cpu). In a subprocess: binding moves this process's threads."""
+    import os
+    import subprocess
+    import sys
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        pytest.skip("needs two cpus")
+    code = (f"import os, torch; torch.set_num_threads(2); from kernels import cpu_ops; "
+            f"print(cpu_ops.bind_threads({cpus}), sorted(os.sched_getaffinity(0)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == f"{cpus} [{cpus[0]}]"

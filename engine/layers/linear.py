@@ -72,7 +72,7 @@ def pack_weights(model: nn.Module) -> int:
     where that measured faster on this CPU (one timing per distinct shape). Returns how many were packed."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
-    choice: dict[tuple, bool] = {}
+    choice: dict[tuple, int] = {}  # shape, dtype -> min_rows (0: plain)
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
