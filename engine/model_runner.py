@@ -1,4 +1,5 @@
 """Owns the model and its paged KV cache on one device; turns a SchedulerOutput into sampled tokens."""
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -21,6 +22,13 @@ from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, Sched
 from kernels import attention_ops
 
 log = logging.getLogger("conveyor")
+
+
+@functools.cache
+def _process_cpus() -> list[int]:
+    """The cpus this process may use, as first seen: once threads are bound, the calling thread's own
+    affinity is one cpu, and a second engine in the process would pin every thread there."""
+    return sorted(os.sched_getaffinity(0))
 
 
 def _is_prefill(c: ScheduledChunk) -> bool:
@@ -57,7 +65,7 @@ class ModelRunner:
         torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model_path, hf.tie_word_embeddings)
         if config.cpu_threads_bind == "auto" and ops.fused is not None:
-            allowed, n = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+            allowed, n = _process_cpus(), torch.get_num_threads()
             cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
             log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
         if config.prepack_weights and self.device.type == "cpu":
