@@ -70,7 +70,7 @@ class ModelRunner:
             log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
         if config.prepack_weights and self.device.type == "cpu":
             with torch.inference_mode():
-                pack_weights(self.model)  # timed per shape: after the threads are bound
+                pack_weights(self.model, getattr(ops.fused, "gemv", None))  # timed per shape: after binding
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
         self.head_dim = head_dim_of(hf)

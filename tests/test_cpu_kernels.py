@@ -82,6 +82,38 @@ def test_fused_elementwise_ops_match_the_eager_layers(dtype: torch.dtype) -> Non
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_matmul_is_as_close_to_float64_as_torch_linear(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    for rows in range(1, 9):
+        for n, k, bias in [(256, 256, False), (515, 250, True), (3, 17, True), (1536, 576, False)]:
+            x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
+            b = torch.randn(n).to(dtype) if bias else None
+            exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+            ours, eager = lib.gemv(x, w, b), F.linear(x, w, b)
+            assert ours.dtype == dtype and ours.shape == (rows, n)
+            err, eager_err = (ours.double() - exact).abs().max().item(), (eager.double() - exact).abs().max().item()
+            assert err <= max(2 * eager_err, 1e-5), (rows, n, k, err, eager_err)
+    with pytest.raises(RuntimeError, match="rows <= 8"):
+        lib.gemv(torch.randn(9, 16), torch.randn(4, 16), None)
+
+
+def test_engine_linears_take_the_skinny_kernel_for_a_few_rows_only() -> None:
+    from engine.layers.linear import SKINNY_ROWS, ColumnParallelLinear, pack_weights
+    layer = ColumnParallelLinear(64, 96)
+    layer.weight.data.normal_()
+    calls = []
+
+    def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return lib.gemv(x, w, b)
+    pack_weights(layer, skinny)
+    for rows in (1, SKINNY_ROWS, SKINNY_ROWS + 1, 32):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert calls == [1, SKINNY_ROWS]
+
+
 def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:
     from engine.config import EngineConfig
     assert EngineConfig(model="demo:tiny", dtype="float32").attention_backend == "cpu"

@@ -2,7 +2,7 @@
 
 Each weight_loader receives a tensor or a safetensors slice and reads only this rank's part."""
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -17,21 +17,29 @@ def _rows(loaded, start: int, size: int) -> torch.Tensor:
 
 
 PLAIN_MARGIN = 1.25  # timings on a shared machine are noisy: packed, the usual winner, stays unless clearly beaten
+SKINNY_ROWS = 2  # kernels/csrc/gemv.h takes up to 8; at 4 rows oneDNN packed was as fast (Zen 4 VM, 2 cores)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight in oneDNN's blocked layout, used for inputs of at least min_rows rows."""
-    tensor: torch.Tensor
+    """How a linear runs on this CPU: inputs of up to `skinny_rows` rows through `skinny` (the C++ kernel of
+    kernels/csrc/gemv.h, reading the plain weight once), from `min_rows` rows through oneDNN's blocked layout
+    `tensor` (None: measured slower than plain here), F.linear otherwise."""
+    tensor: torch.Tensor | None
     min_rows: int
+    skinny: Callable | None = None
+    skinny_rows: int = 0
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), through oneDNN's prepacked weight on CPU where it was measured faster."""
-    if packed is None or x.shape[0] < packed.min_rows:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    """x @ weight.T (+ bias), on CPU through the kernel measured fastest for its rows."""
+    if packed is not None:
+        if 0 < x.shape[0] <= packed.skinny_rows and x.dim() == 2:
+            return packed.skinny(x.contiguous(), weight, bias)
+        if packed.tensor is not None and x.shape[0] >= packed.min_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _seconds(a: Callable[[], object], b: Callable[[], object], rounds: int = 4, reps: int = 3) -> tuple[float, float]:
@@ -46,33 +54,39 @@ def _seconds(a: Callable[[], object], b: Callable[[], object], rounds: int = 4, 
     return best[0], best[1]
 
 
-def _pack(weight: torch.Tensor) -> PackedWeight | None:
+def _pack(weight: torch.Tensor, skinny: Callable | None) -> PackedWeight | None:
     """oneDNN's blocked layout for this weight, unless the plain layout is clearly faster on this CPU
-    (by PLAIN_MARGIN, timed for a decode GEMV of 1 row and a batch of 32). Which wins depends on
-    the CPU and the shape: on an Intel AMX machine plain float32 was faster below 2^19 elements and
-    for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV 8x
-    faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row)."""
+    (by PLAIN_MARGIN, timed for a batch of 32 rows and, without the skinny kernel, a decode GEMV of 1 row).
+    Which wins depends on the CPU and the shape: on an Intel AMX machine plain float32 was faster below 2^19
+    elements and for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV
+    8x faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row). Such
+    timings run with the weight in cache; in a step, which streams every weight once, both ran small GEMVs
+    at 6-20 GB/s, hence the skinny kernel below SKINNY_ROWS whatever the timing says."""
     w = weight.data
+    rows = SKINNY_ROWS if skinny is not None and w.dtype in (torch.float32, torch.bfloat16) else 0
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     except RuntimeError:  # e.g. float16 without AVX512-FP16 / AVX-NE-CONVERT
         return None
     plain_wins = []
-    for rows in (1, 32):
-        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+    for n in (32,) if rows else (1, 32):
+        x = torch.randn(n, w.shape[1], dtype=w.dtype)
         t_packed, t_plain = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
                                      lambda: F.linear(x, w))
         plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
-    gemv, batch = plain_wins
-    return None if batch else PackedWeight(packed, 4 if gemv else 1)
+    *gemv, batch = plain_wins
+    if batch:
+        return PackedWeight(None, 0, skinny, rows) if rows else None
+    return PackedWeight(packed, 4 if any(gemv) else 1, skinny, rows)
 
 
-def pack_weights(model: nn.Module) -> int:
+def pack_weights(model: nn.Module, skinny: Callable | None = None) -> int:
     """Reorders linear weights once into oneDNN's blocked layout, as Inductor's CPU freezing does,
-    where that measured faster on this CPU (one timing per distinct shape). Returns how many were packed."""
+    where that measured faster on this CPU (one timing per distinct shape); `skinny`: the C++ kernel for
+    inputs of a few rows. Returns how many weights were packed."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
-    choice: dict[tuple, int] = {}  # shape, dtype -> min_rows (0: plain)
+    choice: dict[tuple, PackedWeight | None] = {}
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -80,11 +94,11 @@ def pack_weights(model: nn.Module) -> int:
             continue
         key = (tuple(w.shape), w.dtype)
         if key not in choice:
-            module.packed = _pack(w)
-            choice[key] = module.packed.min_rows if module.packed is not None else 0
-        elif choice[key]:
-            module.packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.data, None), choice[key])
-        n += module.packed is not None
+            module.packed = choice[key] = _pack(w, skinny)
+        elif (plan := choice[key]) is not None:
+            tensor = None if plan.tensor is None else torch.ops.mkldnn._reorder_linear_weight(w.data, None)
+            module.packed = replace(plan, tensor=tensor)
+        n += module.packed is not None and module.packed.tensor is not None
     return n
 
 

@@ -4,6 +4,7 @@
 // transformers up to summation order.
 #include <sched.h>
 
+#include "gemv.h"
 #include "paged_attention.h"
 #include "simd.h"
 
@@ -142,4 +143,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_embedding_", &rotary_embedding_);
   m.def("bind_threads", &bind_threads);
+  m.def("gemv", &gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 }
