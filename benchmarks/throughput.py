@@ -17,6 +17,7 @@ import sys
 import time
 
 from engine import LLM, SamplingParams
+from engine.step_trace import KINDS, StepRecord
 
 
 def workload(n: int, seed: int, vocab: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -42,14 +43,30 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, **options: o
         steps += 1
         return step()
     llm.engine.step = counted
+    llm.engine.step_trace.enable()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    records = llm.engine.step_trace.disable()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats()
     return {"model": model, "dtype": dtype, "policy": policy, "seconds": elapsed, "output_tokens": tokens,
             "tok_per_s": tokens / elapsed, "steps": steps, "preemptions": stats.num_preemptions,
-            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+            "step_split": step_split(records), "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def step_split(records: list[StepRecord]) -> dict:
+    """Where a policy's time goes: seconds in steps that prefill and in decode-only steps, the rows those
+    computed (padding: a static batch's finished members), and the median decode-only step by its rows."""
+    decode = [r for r in records if not r.tokens("prefill")]
+    by_rows: dict[int, list[float]] = {}
+    for r in decode:
+        by_rows.setdefault(len(r.work), []).append(r.duration_s)
+    return {"prefill_steps": len(records) - len(decode),
+            "prefill_s": sum(r.duration_s for r in records if r.tokens("prefill")),
+            "decode_steps": len(decode), "decode_s": sum(r.duration_s for r in decode),
+            "tokens": {k: sum(r.tokens(k) for r in records) for k in KINDS},
+            "decode_ms_by_rows": {n: 1e3 * statistics.median(d) for n, d in sorted(by_rows.items())}}
 
 
 def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, threads: int | None,
@@ -116,6 +133,16 @@ def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
           f"{statistics.median(peer_all):.1f} tok/s, median ratio {statistics.median(ratios):.2f}", flush=True)
 
 
+def work_bound(cont: dict, static: dict) -> float:
+    """The ratio continuous batching could reach on this workload: static's step time over its own prefill
+    steps plus every decode token at the cost per row of continuous's fullest decode-only step. The slot bound
+    (about 2.04 here) assumes a step costs in proportion to its rows; a step's cost that does not grow with
+    rows (weights read once per step) and the prefill both batch alike take the same lower it."""
+    rows, ms = max(((int(n), ms) for n, ms in cont["decode_ms_by_rows"].items()), key=lambda x: x[0])
+    decode_tokens = static["tokens"]["decode"]
+    return (static["prefill_s"] + static["decode_s"]) / (static["prefill_s"] + decode_tokens * ms / 1e3 / rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", nargs="+", default=["demo:tiny", "demo:small"])
@@ -151,18 +178,28 @@ def main() -> None:
             rows: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for p in ("continuous", "static"):
-                    r = measure(model, dtype, p, args.num_requests, args.seed, cpu_threads_bind=args.bind)
+                    r = measure_fresh(model, dtype, p, args.num_requests, args.seed, args.threads, args.bind)
                     if p not in rows or r["tok_per_s"] > rows[p]["tok_per_s"]:
                         rows[p] = r
             if args.peer_transformers:
                 rows["transformers"] = transformers_run(model, dtype, args.num_requests, args.seed)
             ratio = rows["continuous"]["tok_per_s"] / rows["static"]["tok_per_s"]
+            bound = work_bound(rows["continuous"]["step_split"], rows["static"]["step_split"])
             for p, r in rows.items():
                 tail = f"{ratio:>8.2f}" if p == "continuous" else ""
                 if p == "transformers":
                     tail = f"{rows['continuous']['tok_per_s'] / r['tok_per_s']:>8.2f}  (ours continuous / this)"
                 print(f"{model:<12}{dtype:<10}{p:<12}{r['tok_per_s']:>9.1f}{r['steps']:>7}{r['seconds']:>9.1f}{tail}",
                       flush=True)
+                if "step_split" in r:
+                    sp = r["step_split"]
+                    by_rows = sp["decode_ms_by_rows"]
+                    print(f"{'':<22}prefill steps {sp['prefill_steps']} ({sp['prefill_s']:.1f} s), decode-only "
+                          f"{sp['decode_steps']} ({sp['decode_s']:.1f} s); tokens {sp['tokens']}; decode ms by rows "
+                          + ", ".join(f"{n}:{ms:.1f}" for n, ms in list(by_rows.items())[::max(1, len(by_rows) // 8)]),
+                          flush=True)
+            print(f"{'':<22}work bound on continuous / static {bound:.2f} (measured {ratio:.2f}, "
+                  f"{100 * ratio / bound:.0f}% of it)", flush=True)
 
 
 if __name__ == "__main__":
