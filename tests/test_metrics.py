@@ -154,6 +154,8 @@ def test_served_metrics_follow_requests_and_count_every_response(app: App) -> No
         return (delta(s, "conveyor:request_success_total", finished_reason="length") == n
                 and delta(s, "conveyor:http_requests_total", status="400") == 3
                 and delta(s, "conveyor:http_requests_total", endpoint="/v1/completions", status="200") == n
+                # counted at the response's start, its duration after its last byte: a stream's may come later
+                and delta(s, "conveyor:http_request_duration_seconds_count") == n
                 and len({v for (name, ls) in s if name == "conveyor:http_requests_total"
                          for k, v in ls if k == "router"}) == 2)
     s = scrape_until(app.http, settled)
