@@ -34,7 +34,8 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, **options: o
     llm = LLM(model, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048, scheduling_policy=policy,
               seed=seed, **options)
     prompts, params = workload(n, seed, llm.engine.vocab_size)
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)
+    warm = [{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]]  # not in the prefix cache
+    llm.generate(warm, [SamplingParams(max_tokens=4)] * len(warm), use_tqdm=False)
     steps = 0
     step = llm.engine.step
 

@@ -13,7 +13,7 @@ def main() -> None:
               enable_prefix_caching=False, seed=0)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True) for o in spec["max_tokens"]]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * len(prompts[:2]), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
