@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import pack_weights
+from engine.layers.linear import pack_weights, padded_rows
 from engine.loader import load_weights
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.parallel import tp_rank
@@ -68,9 +68,11 @@ class ModelRunner:
             allowed, n = _process_cpus(), torch.get_num_threads()
             cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
             log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
+        self.pad_steps = False  # steps with a prefill run at padded_rows(tokens): bounded oneDNN primitive shapes
         if config.prepack_weights and self.device.type == "cpu":
             with torch.inference_mode():
-                pack_weights(self.model, getattr(ops.fused, "gemv", None))  # timed per shape: after binding
+                packed = pack_weights(self.model, getattr(ops.fused, "gemv", None))  # timed per shape: after binding
+            self.pad_steps = packed > 0 and ops.fused is not None  # the C++ attention zeroes padding rows
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
         self.head_dim = head_dim_of(hf)
@@ -211,6 +213,10 @@ class ModelRunner:
             positions = np.arange(cu[-1]) - cu[:-1][seq_of_token] + starts[seq_of_token]
             slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
             input_ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
+            if self.pad_steps and (pad := padded_rows(int(cu[-1])) - int(cu[-1])):
+                # rows no chunk owns: token 0 at position 0, K/V not stored (slot -1), never sampled
+                input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
+                slots = np.pad(slots, (0, pad), constant_values=-1)
         sample_idx = cu[1:][sample] - 1
         sampled = req_ids if sample.all() else list(compress(req_ids, sample))
         dev = self.device

@@ -152,3 +152,32 @@ def test_a_second_engine_in_the_process_binds_threads_to_distinct_cpus() -> None
             "    print(sorted(set().union(*(a for a in pinned if len(a) == 1))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-2:] == [str(cpus)] * 2
+
+
+def test_prefill_steps_padded_to_bounded_row_counts_give_the_same_tokens() -> None:
+    """oneDNN builds a primitive per row count: steps with a prefill run at padded_rows(tokens), a bounded set;
+    the padding rows store no K/V, reach no sampler and change no real row's tokens."""
+    from engine import LLM, SamplingParams
+    from engine.layers.linear import padded_rows
+    assert all(padded_rows(n) == n for n in range(1, 33))
+    assert all(0 <= padded_rows(n) - n < max(16, n / 8) for n in range(33, 4097))
+    assert [padded_rows(n) for n in (32, 33, 49, 100, 257, 1000, 2048)] == [32, 48, 64, 112, 288, 1024, 2048]
+    assert len({padded_rows(n) for n in range(1, 2049)}) <= 80
+    llm = LLM("demo:tiny", dtype="float32", enable_prefix_caching=False)
+    runner = llm.engine.core.core.executor.runner
+    rows: list[int] = []
+    forward = runner.model.forward
+
+    def counted(input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        rows.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+    runner.model.forward = counted
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (37, 50)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for pad in (True, False):
+        runner.pad_steps, rows[:] = pad, []
+        outs[pad] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert rows[0] == (96 if pad else 87) and rows[1:] == [2] * 7
+    assert outs[True] == outs[False]
+    assert llm.engine.stats().kv_blocks_free == llm.engine.stats().kv_blocks_total

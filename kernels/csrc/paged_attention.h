@@ -203,7 +203,8 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
   }
 }
 
-// q [T, H, D] (token rows may be strided, as a slice of the fused qkv), out [T, H, D] contiguous; caches [num_blocks, block_size, KVH, D];
+// q [T, H, D] (token rows may be strided, as a slice of the fused qkv), out [T, H, D] contiguous (rows past
+// query_start_loc's last are padding: zeroed); caches [num_blocks, block_size, KVH, D];
 // block_tables [S, W]; seq_lens [S] context after this step; query_start_loc [S + 1].
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
@@ -232,6 +233,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
                         d, bs, q.stride(0), float(scale), buf);
     });
   });
+  if (qs[num_seqs] < q.size(0)) out.narrow(0, qs[num_seqs], q.size(0) - qs[num_seqs]).zero_();  // padding rows
 }
 
 // key/value [T, KVH, D] rows (token stride may differ) -> flat slots of the caches, in the layout
