@@ -281,6 +281,9 @@ def test_two_routers_commit_within_leases_and_no_request_is_preempted(cluster: S
                   for _ in range(40)]  # 11 blocks each; a replica's headroom is 43 of its 48
         assert_burst(asyncio.run(post_all(url, bodies)), 48, "no_room")
         await_pools_whole(http, 48)
-        assert [r["num_preemptions"] for r in http.get("/v1/cluster").json()["replicas"]] == [0, 0]
+        preempted = [r["num_preemptions"] for r in http.get("/v1/cluster").json()["replicas"]]
+        decisions = [ln for ln in http.get("/metrics").text.splitlines()
+                     if ln.startswith("conveyor_admission_decisions_total")]
+        assert preempted == [0, 0], decisions  # a rare CI failure: which path admitted too much (fail_open?)
     finally:
         serve.delete("leases")
