@@ -11,6 +11,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -47,11 +48,31 @@ def load() -> ModuleType | None:
                             + torch.__version__.encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as build
+        clear_stale_lock(f"conveyor_cpu_ops_{digest}")
         return build(name=f"conveyor_cpu_ops_{digest}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                      extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: the pure-torch path still runs
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
         return None
+
+
+STALE_LOCK_S = 600.0  # a build takes about a minute
+
+
+def clear_stale_lock(name: str, now: float | None = None) -> bool:
+    """Removes the build lock of extension `name` when it is older than STALE_LOCK_S. A build killed midway
+    leaves it behind, and torch's cpp_extension then waits on it for ever, silently. True: one was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    log.warning("removing a stale build lock (%.0f s old, from a killed build): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def reference_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

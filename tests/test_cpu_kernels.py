@@ -1,4 +1,7 @@
 """The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against the pure-torch reference and the eager layers."""
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,3 +184,15 @@ def test_prefill_steps_padded_to_bounded_row_counts_give_the_same_tokens() -> No
         assert rows[0] == (96 if pad else 87) and rows[1:] == [2] * 7
     assert outs[True] == outs[False]
     assert llm.engine.stats().kv_blocks_free == llm.engine.stats().kv_blocks_total
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
+    """A build killed midway leaves torch's lock file; the next build would wait on it for ever."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory("conveyor_lock_test", False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    assert not cpu_ops.clear_stale_lock("conveyor_lock_test") and lock.exists()  # a build may be running
+    assert cpu_ops.clear_stale_lock("conveyor_lock_test", now=time.time() + cpu_ops.STALE_LOCK_S + 1)
+    assert not lock.exists() and not cpu_ops.clear_stale_lock("conveyor_lock_test")
