@@ -71,7 +71,7 @@ class ModelRunner:
         self.pad_steps = False  # steps with a prefill run at padded_rows(tokens): bounded oneDNN primitive shapes
         if config.prepack_weights and self.device.type == "cpu":
             with torch.inference_mode():
-                packed = pack_weights(self.model, getattr(ops.fused, "gemv", None))  # timed per shape: after binding
+                packed = pack_weights(self.model, ops.fused)  # timed per shape: after binding
             self.pad_steps = packed > 0 and ops.fused is not None  # the C++ attention zeroes padding rows
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads

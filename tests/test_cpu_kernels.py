@@ -101,20 +101,43 @@ def test_skinny_matmul_is_as_close_to_float64_as_torch_linear(dtype: torch.dtype
         lib.gemv(torch.randn(9, 16), torch.randn(4, 16), None)
 
 
-def test_engine_linears_take_the_skinny_kernel_for_a_few_rows_only() -> None:
-    from engine.layers.linear import SKINNY_ROWS, ColumnParallelLinear, pack_weights
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_small_batch_matmul_is_as_close_to_float64_as_torch_linear(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    for n, k, bias in [(256, 256, False), (515, 251, True), (3, 17, True), (1536, 576, False), (40, 2048, True)]:
+        w = torch.randn(n, k).to(dtype)
+        b = torch.randn(n).to(dtype) if bias else None
+        packed = lib.pack_gemm(w)
+        for rows in (1, 2, 5, 11, 12, 13, 24, 32, 37):
+            x = torch.randn(rows, k).to(dtype)
+            exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+            ours, eager = lib.gemm_packed(x, packed, n, b), F.linear(x, w, b)
+            assert ours.dtype == dtype and ours.shape == (rows, n)
+            err, eager_err = (ours.double() - exact).abs().max().item(), (eager.double() - exact).abs().max().item()
+            assert err <= max(2 * eager_err, 1e-5), (rows, n, k, err, eager_err)
+    with pytest.raises(RuntimeError, match="pack_gemm's layout"):
+        lib.gemm_packed(torch.randn(4, 16), lib.pack_gemm(torch.randn(8, 32)), 8, None)
+
+
+def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only() -> None:
+    from types import SimpleNamespace
+
+    from engine.layers.linear import SKINNY_ROWS, SMALL_ROWS, ColumnParallelLinear, pack_weights
     layer = ColumnParallelLinear(64, 96)
     layer.weight.data.normal_()
     calls = []
 
-    def skinny(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return lib.gemv(x, w, b)
-    pack_weights(layer, skinny)
-    for rows in (1, SKINNY_ROWS, SKINNY_ROWS + 1, 32):
+    def counted(name: str):
+        def run(*args):
+            calls.append((name, args[0].shape[0]))
+            return getattr(lib, name)(*args)
+        return run
+    pack_weights(layer, SimpleNamespace(gemv=counted("gemv"), gemm_packed=counted("gemm_packed"),
+                                        pack_gemm=lib.pack_gemm))
+    for rows in (1, SKINNY_ROWS, SKINNY_ROWS + 1, SMALL_ROWS, SMALL_ROWS + 1, 64):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-    assert calls == [1, SKINNY_ROWS]
+    assert calls == [("gemv", 1), ("gemv", SKINNY_ROWS), ("gemm_packed", SKINNY_ROWS + 1), ("gemm_packed", SMALL_ROWS)]
 
 
 def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:

@@ -3,6 +3,7 @@
 Each weight_loader receives a tensor or a safetensors slice and reads only this rank's part."""
 import time
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -18,6 +19,7 @@ def _rows(loaded, start: int, size: int) -> torch.Tensor:
 
 PLAIN_MARGIN = 1.25  # timings on a shared machine are noisy: packed, the usual winner, stays unless clearly beaten
 SKINNY_ROWS = 2  # kernels/csrc/gemv.h takes up to 8; at 4 rows oneDNN packed was as fast (Zen 4 VM, 2 cores)
+SMALL_ROWS = 32  # kernels/csrc/gemm.h up to here: 1.02-1.46x oneDNN at 3-32 rows cold, behind it from 48 (f32, Zen 5)
 
 
 def padded_rows(n: int) -> int:
@@ -35,20 +37,26 @@ def padded_rows(n: int) -> int:
 @dataclass(frozen=True)
 class PackedWeight:
     """How a linear runs on this CPU: inputs of up to `skinny_rows` rows through `skinny` (the C++ kernel of
-    kernels/csrc/gemv.h, reading the plain weight once), from `min_rows` rows through oneDNN's blocked layout
-    `tensor` (None: measured slower than plain here), F.linear otherwise."""
+    kernels/csrc/gemv.h, reading the plain weight once), then up to `small_rows` through `small` (gemm.h, on
+    its own panel layout `small_tensor`), from `min_rows` rows through oneDNN's blocked layout `tensor`
+    (None: measured slower than plain here), F.linear otherwise."""
     tensor: torch.Tensor | None
     min_rows: int
     skinny: Callable | None = None
     skinny_rows: int = 0
+    small: Callable | None = None
+    small_tensor: torch.Tensor | None = None
+    small_rows: int = 0
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), on CPU through the kernel measured fastest for its rows."""
     if packed is not None:
-        if 0 < x.shape[0] <= packed.skinny_rows and x.dim() == 2:
-            return packed.skinny(x.contiguous(), weight, bias)
+        if 0 < x.shape[0] <= packed.small_rows and x.dim() == 2:
+            if x.shape[0] <= packed.skinny_rows:
+                return packed.skinny(x.contiguous(), weight, bias)
+            return packed.small(x.contiguous(), packed.small_tensor, weight.shape[0], bias)
         if packed.tensor is not None and x.shape[0] >= packed.min_rows:
             return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -66,16 +74,17 @@ def _seconds(a: Callable[[], object], b: Callable[[], object], rounds: int = 4, 
     return best[0], best[1]
 
 
-def _pack(weight: torch.Tensor, skinny: Callable | None) -> PackedWeight | None:
+def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None:
     """oneDNN's blocked layout for this weight, unless the plain layout is clearly faster on this CPU
     (by PLAIN_MARGIN, timed for a batch of 32 rows and, without the skinny kernel, a decode GEMV of 1 row).
     Which wins depends on the CPU and the shape: on an Intel AMX machine plain float32 was faster below 2^19
     elements and for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV
     8x faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row). Such
     timings run with the weight in cache; in a step, which streams every weight once, both ran small GEMVs
-    at 6-20 GB/s, hence the skinny kernel below SKINNY_ROWS whatever the timing says."""
+    at 6-20 GB/s, hence the C++ kernels up to SMALL_ROWS whatever the timing says."""
     w = weight.data
-    rows = SKINNY_ROWS if skinny is not None and w.dtype in (torch.float32, torch.bfloat16) else 0
+    ours = fused is not None and w.dtype in (torch.float32, torch.bfloat16)
+    rows = SKINNY_ROWS if ours else 0
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     except RuntimeError:  # e.g. float16 without AVX512-FP16 / AVX-NE-CONVERT
@@ -87,15 +96,17 @@ def _pack(weight: torch.Tensor, skinny: Callable | None) -> PackedWeight | None:
                                      lambda: F.linear(x, w))
         plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
     *gemv, batch = plain_wins
+    small = dict(skinny=fused.gemv, skinny_rows=rows, small=fused.gemm_packed, small_tensor=fused.pack_gemm(w),
+                 small_rows=SMALL_ROWS) if ours else {}
     if batch:
-        return PackedWeight(None, 0, skinny, rows) if rows else None
-    return PackedWeight(packed, 4 if any(gemv) else 1, skinny, rows)
+        return PackedWeight(None, 0, **small) if ours else None
+    return PackedWeight(packed, 4 if any(gemv) else 1, **small)
 
 
-def pack_weights(model: nn.Module, skinny: Callable | None = None) -> int:
+def pack_weights(model: nn.Module, fused: ModuleType | None = None) -> int:
     """Reorders linear weights once into oneDNN's blocked layout, as Inductor's CPU freezing does,
-    where that measured faster on this CPU (one timing per distinct shape); `skinny`: the C++ kernel for
-    inputs of a few rows. Returns how many weights were packed."""
+    where that measured faster on this CPU (one timing per distinct shape); `fused`: the C++ kernels
+    (kernels/cpu_ops.py), which take inputs of up to SMALL_ROWS rows. Returns how many weights were packed."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
     choice: dict[tuple, PackedWeight | None] = {}
@@ -106,10 +117,11 @@ def pack_weights(model: nn.Module, skinny: Callable | None = None) -> int:
             continue
         key = (tuple(w.shape), w.dtype)
         if key not in choice:
-            module.packed = choice[key] = _pack(w, skinny)
+            module.packed = choice[key] = _pack(w, fused)
         elif (plan := choice[key]) is not None:
             tensor = None if plan.tensor is None else torch.ops.mkldnn._reorder_linear_weight(w.data, None)
-            module.packed = replace(plan, tensor=tensor)
+            small = None if plan.small is None else fused.pack_gemm(w.data)
+            module.packed = replace(plan, tensor=tensor, small_tensor=small)
         n += module.packed is not None and module.packed.tensor is not None
     return n
 

@@ -1,0 +1,142 @@
+// Small-batch matmul for decode steps: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for a few dozen rows of x,
+// with w packed once into column panels so that a row of x is broadcast against 16 outputs per instruction.
+// float32: panel [K][16]; bfloat16: panel [K / 2][16][2], pairs of k for vdpbf16ps (AVX512-BF16), which adds
+// both products of a pair to the float32 sum. Each thread takes blocks of 32 outputs; a block's weights
+// (K x 32) are read from memory once and reused from L2 by every group of up to 12 rows of x.
+#pragma once
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t PANEL = 16;
+constexpr int GEMM_COLS = 2;  // panels per block: 12 x 2 accumulators + 2 weight vectors + a broadcast
+constexpr int GEMM_MAX_MR = 12;
+
+template <typename T> constexpr int64_t k_step() { return std::is_same_v<T, bf16> ? 2 : 1; }
+
+inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
+inline __m512i bcast_pair(const bf16* p, bool whole) {
+  if (whole) return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+  return _mm512_set1_epi32(static_cast<int32_t>(reinterpret_cast<const uint16_t*>(p)[0]));  // (x[K-1], 0)
+}
+
+// float32 sums k in chunks of GEMM_KC, each in fresh registers added to the total: one running sum over
+// K = 256 had 3x torch's error against float64.
+constexpr int64_t GEMM_KC = 32;
+
+template <int MR>
+inline void gemm_tile(const float* x, int64_t K, const float* wp, const float* ahead, __m512 (&acc)[MR][GEMM_COLS]) {
+  __m512 part[MR][GEMM_COLS];
+  for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+    for (int m = 0; m < MR; ++m)
+      for (int c = 0; c < GEMM_COLS; ++c) part[m][c] = _mm512_setzero_ps();
+    for (int64_t k = k0, end = std::min(K, k0 + GEMM_KC); k < end; ++k) {
+      const float* wk = wp + k * PANEL;
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * PANEL), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (K + k) * PANEL), _MM_HINT_T1);
+      __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + K * PANEL);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = bcast(x + m * K + k);
+        part[m][0] = _mm512_fmadd_ps(xv, w0, part[m][0]);
+        part[m][1] = _mm512_fmadd_ps(xv, w1, part[m][1]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = _mm512_add_ps(acc[m][c], part[m][c]);
+  }
+}
+
+template <int MR>
+inline void gemm_tile(const bf16* x, int64_t K, const bf16* wp, const bf16* ahead, __m512 (&acc)[MR][GEMM_COLS]) {
+  const int64_t pairs = (K + 1) / 2, panel = pairs * 2 * PANEL;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16* wk = wp + p * 2 * PANEL;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 2 * PANEL), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 2 * PANEL + panel), _MM_HINT_T1);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + panel);
+    const bool whole = 2 * p + 1 < K;
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)bcast_pair(x + m * K + 2 * p, whole);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+    }
+  }
+}
+
+template <typename T, int MR>
+void gemm_block(const T* x, int64_t K, const T* wp, const T* ahead, const T* bias, T* y, int64_t N, int64_t n0) {
+  __m512 acc[MR][GEMM_COLS];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = _mm512_setzero_ps();
+  gemm_tile<MR>(x, K, wp, ahead, acc);
+  for (int c = 0; c < GEMM_COLS; ++c) {
+    const int64_t n = n0 + c * PANEL;
+    if (n >= N) break;
+    const __mmask16 mask = N - n >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __m512 b = bias ? load_n(bias + n, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      alignas(64) T out[PANEL];
+      store16(out, _mm512_add_ps(acc[m][c], b));
+      std::copy(out, out + std::min<int64_t>(PANEL, N - n), y + m * N + n);
+    }
+  }
+}
+
+template <typename T, int MR = 1>
+void gemm_rows(int64_t rows, const T* x, int64_t K, const T* wp, const T* ahead, const T* bias, T* y, int64_t N,
+               int64_t n0) {
+  if constexpr (MR < GEMM_MAX_MR) {
+    if (rows != MR) return gemm_rows<T, MR + 1>(rows, x, K, wp, ahead, bias, y, N, n0);
+  }
+  gemm_block<T, MR>(x, K, wp, ahead, bias, y, N, n0);
+}
+
+int64_t padded_k(int64_t K, at::ScalarType t) { return t == at::kBFloat16 ? (K + 1) / 2 * 2 : K; }
+int64_t gemm_panels(int64_t N) { return (N + PANEL * GEMM_COLS - 1) / (PANEL * GEMM_COLS) * GEMM_COLS; }
+
+// w [N, K] -> [panels, K', 16] (float32) or [panels, K' / 2, 32] (bfloat16, k pairs), zero-padded to whole blocks.
+torch::Tensor pack_gemm(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "pack_gemm: w must be a float32 or bfloat16 [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1), panels = gemm_panels(N);
+  const int64_t Kp = padded_k(K, w.scalar_type()), step = w.scalar_type() == at::kBFloat16 ? 2 : 1;
+  auto padded = torch::zeros({panels * PANEL, Kp}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  // [panels, 16, Kp / step, step] -> [panels, Kp / step, 16, step]
+  return padded.view({panels, PANEL, Kp / step, step}).permute({0, 2, 1, 3}).contiguous()
+      .view({panels, Kp / step, PANEL * step});
+}
+
+torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1, "gemm_packed: x must be contiguous [rows, K]");
+  const int64_t K = x.size(1), panels = gemm_panels(N);
+  TORCH_CHECK(wp.scalar_type() == x.scalar_type() && wp.is_contiguous() && wp.dim() == 3 && wp.size(0) == panels
+                  && wp.size(1) * wp.size(2) == padded_k(K, x.scalar_type()) * PANEL,
+              "gemm_packed: wp must be pack_gemm's layout of an [N, K] weight of x's dtype");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
+              "gemm_packed: bias must be [N] of x's dtype");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const int64_t rows = x.size(0), blocks = panels / GEMM_COLS;
+  const int64_t groups = (rows + GEMM_MAX_MR - 1) / GEMM_MAX_MR;
+  dispatch(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    const T* xp = x.data_ptr<T>();
+    const T* w = wp.data_ptr<T>();
+    const T* b = bias ? bias->data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    const int64_t panel = wp.size(1) * wp.size(2);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk)
+        for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // rows split evenly: 32 -> 11, 11, 10
+          const int64_t mr = (rows - m0) / (groups - g);
+          const T* wb = w + blk * GEMM_COLS * panel;  // the first group brings the next block into L2
+          gemm_rows<T>(mr, xp + m0 * K, K, wb, g == 0 ? wb + GEMM_COLS * panel : wb, b, yp + m0 * N, N,
+                       blk * GEMM_COLS * PANEL);
+          m0 += mr;
+        }
+    });
+  });
+  return y;
+}
+
+}  // namespace
