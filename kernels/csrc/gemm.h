@@ -20,20 +20,37 @@ inline __m512i bcast_pair(const bf16* p, bool whole) {
   return _mm512_set1_epi32(static_cast<int32_t>(reinterpret_cast<const uint16_t*>(p)[0]));  // (x[K-1], 0)
 }
 
+// Brings the next block (both panels) into L2 while a block is computed, spread over the block's row groups:
+// group g of G, stepped once per k (bfloat16: per k pair), prefetches lines [g L / G, (g + 1) L / G) of the L
+// 64-byte lines of each panel, so the block's first group does not stall on memory alone.
+struct Ahead {
+  const char* next;
+  int64_t panel_bytes, line, rem, groups;
+  Ahead(const void* next_block, int64_t panel_bytes, int64_t lines, int64_t g, int64_t groups)
+      : next(static_cast<const char*>(next_block)), panel_bytes(panel_bytes), line(g * lines / groups),
+        rem(g * lines % groups), groups(groups) {}
+  inline void step() {
+    if (++rem < groups) return;
+    rem = 0;
+    _mm_prefetch(next + line * 64, _MM_HINT_T1);
+    _mm_prefetch(next + panel_bytes + line * 64, _MM_HINT_T1);
+    ++line;
+  }
+};
+
 // float32 sums k in chunks of GEMM_KC, each in fresh registers added to the total: one running sum over
 // K = 256 had 3x torch's error against float64.
 constexpr int64_t GEMM_KC = 32;
 
 template <int MR>
-inline void gemm_tile(const float* x, int64_t K, const float* wp, const float* ahead, __m512 (&acc)[MR][GEMM_COLS]) {
+inline void gemm_tile(const float* x, int64_t K, const float* wp, Ahead& ahead, __m512 (&acc)[MR][GEMM_COLS]) {
   __m512 part[MR][GEMM_COLS];
   for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
     for (int m = 0; m < MR; ++m)
       for (int c = 0; c < GEMM_COLS; ++c) part[m][c] = _mm512_setzero_ps();
     for (int64_t k = k0, end = std::min(K, k0 + GEMM_KC); k < end; ++k) {
       const float* wk = wp + k * PANEL;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * PANEL), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (K + k) * PANEL), _MM_HINT_T1);
+      ahead.step();
       __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + K * PANEL);
       for (int m = 0; m < MR; ++m) {
         const __m512 xv = bcast(x + m * K + k);
@@ -47,12 +64,11 @@ inline void gemm_tile(const float* x, int64_t K, const float* wp, const float* a
 }
 
 template <int MR>
-inline void gemm_tile(const bf16* x, int64_t K, const bf16* wp, const bf16* ahead, __m512 (&acc)[MR][GEMM_COLS]) {
+inline void gemm_tile(const bf16* x, int64_t K, const bf16* wp, Ahead& ahead, __m512 (&acc)[MR][GEMM_COLS]) {
   const int64_t pairs = (K + 1) / 2, panel = pairs * 2 * PANEL;
   for (int64_t p = 0; p < pairs; ++p) {
     const bf16* wk = wp + p * 2 * PANEL;
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 2 * PANEL), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 2 * PANEL + panel), _MM_HINT_T1);
+    ahead.step();
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + panel);
     const bool whole = 2 * p + 1 < K;
     for (int m = 0; m < MR; ++m) {
@@ -64,7 +80,7 @@ inline void gemm_tile(const bf16* x, int64_t K, const bf16* wp, const bf16* ahea
 }
 
 template <typename T, int MR>
-void gemm_block(const T* x, int64_t K, const T* wp, const T* ahead, const T* bias, T* y, int64_t N, int64_t n0) {
+void gemm_block(const T* x, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N, int64_t n0) {
   __m512 acc[MR][GEMM_COLS];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -83,7 +99,7 @@ void gemm_block(const T* x, int64_t K, const T* wp, const T* ahead, const T* bia
 }
 
 template <typename T, int MR = 1>
-void gemm_rows(int64_t rows, const T* x, int64_t K, const T* wp, const T* ahead, const T* bias, T* y, int64_t N,
+void gemm_rows(int64_t rows, const T* x, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
                int64_t n0) {
   if constexpr (MR < GEMM_MAX_MR) {
     if (rows != MR) return gemm_rows<T, MR + 1>(rows, x, K, wp, ahead, bias, y, N, n0);
@@ -129,9 +145,9 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::opt
       for (int64_t blk = begin; blk < end; ++blk)
         for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // rows split evenly: 32 -> 11, 11, 10
           const int64_t mr = (rows - m0) / (groups - g);
-          const T* wb = w + blk * GEMM_COLS * panel;  // the first group brings the next block into L2
-          gemm_rows<T>(mr, xp + m0 * K, K, wb, g == 0 ? wb + GEMM_COLS * panel : wb, b, yp + m0 * N, N,
-                       blk * GEMM_COLS * PANEL);
+          const T* wb = w + blk * GEMM_COLS * panel;
+          Ahead ahead(wb + GEMM_COLS * panel, panel * sizeof(T), panel * sizeof(T) / 64, g, groups);
+          gemm_rows<T>(mr, xp + m0 * K, K, wb, ahead, b, yp + m0 * N, N, blk * GEMM_COLS * PANEL);
           m0 += mr;
         }
     });
