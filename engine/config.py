@@ -55,6 +55,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
+    keep_freed_memory: bool = True  # CPU: glibc keeps freed activations for reuse (engine/host_memory.py)
     cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
     seed: int = 0
     model_runner_cls: str = "engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class

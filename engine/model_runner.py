@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.host_memory import keep_freed_memory
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import pack_weights, padded_rows
 from engine.loader import load_weights
@@ -51,6 +52,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.rank = tp_rank()
         self.block_size = config.block_size
         hf = config.hf_config
