@@ -12,8 +12,6 @@ constexpr int64_t PANEL = 16;
 constexpr int GEMM_COLS = 2;  // panels per block: 12 x 2 accumulators + 2 weight vectors + a broadcast
 constexpr int GEMM_MAX_MR = 12;
 
-template <typename T> constexpr int64_t k_step() { return std::is_same_v<T, bf16> ? 2 : 1; }
-
 inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
 inline __m512i bcast_pair(const bf16* p, bool whole) {
   if (whole) return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
