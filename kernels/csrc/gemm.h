@@ -141,7 +141,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::opt
     const int64_t panel = wp.size(1) * wp.size(2);
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk)
-        for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // rows split evenly: 32 -> 11, 11, 10
+        for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // rows split evenly: 32 -> 10, 11, 11
           const int64_t mr = (rows - m0) / (groups - g);
           const T* wb = w + blk * GEMM_COLS * panel;
           Ahead ahead(wb + GEMM_COLS * panel, panel * sizeof(T), panel * sizeof(T) / 64, g, groups);
