@@ -12,7 +12,7 @@ from benchmarks.throughput import workload
 from engine import LLM, SamplingParams
 from kernels import cpu_ops
 
-KERNELS = ("paged_attention", "store_kv_cache", "rms_norm_", "silu_and_mul", "rotary_embedding_", "gemv", "gemm_packed")
+KERNELS = ("paged_attention", "store_kv_cache", "rms_norm_", "silu_and_mul", "rotary_embedding_", "gemm_packed")
 
 
 def trace_cpu_kernels() -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaConfig
 
 from engine.layers.norm import RMSNorm
@@ -86,22 +87,6 @@ def test_fused_elementwise_ops_match_the_eager_layers(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_skinny_matmul_is_as_close_to_float64_as_torch_linear(dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    for rows in range(1, 9):
-        for n, k, bias in [(256, 256, False), (515, 250, True), (3, 17, True), (1536, 576, False)]:
-            x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
-            b = torch.randn(n).to(dtype) if bias else None
-            exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-            ours, eager = lib.gemv(x, w, b), F.linear(x, w, b)
-            assert ours.dtype == dtype and ours.shape == (rows, n)
-            err, eager_err = (ours.double() - exact).abs().max().item(), (eager.double() - exact).abs().max().item()
-            assert err <= max(2 * eager_err, 1e-5), (rows, n, k, err, eager_err)
-    with pytest.raises(RuntimeError, match="rows <= 8"):
-        lib.gemv(torch.randn(9, 16), torch.randn(4, 16), None)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_small_batch_matmul_is_as_close_to_float64_as_torch_linear(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     for n, k, bias in [(256, 256, False), (515, 251, True), (3, 17, True), (1536, 576, False), (40, 2048, True)]:
@@ -119,12 +104,16 @@ def test_packed_small_batch_matmul_is_as_close_to_float64_as_torch_linear(dtype:
         lib.gemm_packed(torch.randn(4, 16), lib.pack_gemm(torch.randn(8, 32)), 8, None)
 
 
-def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only() -> None:
+def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only_and_release_the_plain_weight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from engine.layers.linear import SKINNY_ROWS, SMALL_ROWS, ColumnParallelLinear, pack_weights
+    from engine.layers import linear
+    from engine.layers.linear import SMALL_ROWS, ColumnParallelLinear, pack_weights
+    monkeypatch.setattr(linear, "PLAIN_MARGIN", float("inf"))  # oneDNN above SMALL_ROWS, whatever the timing
     layer = ColumnParallelLinear(64, 96)
     layer.weight.data.normal_()
+    weight = layer.weight.detach().clone()
     calls = []
 
     def counted(name: str):
@@ -132,12 +121,27 @@ def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only() -> None:
             calls.append((name, args[0].shape[0]))
             return getattr(lib, name)(*args)
         return run
-    pack_weights(layer, SimpleNamespace(gemv=counted("gemv"), gemm_packed=counted("gemm_packed"),
-                                        pack_gemm=lib.pack_gemm))
-    for rows in (1, SKINNY_ROWS, SKINNY_ROWS + 1, SMALL_ROWS, SMALL_ROWS + 1, 64):
+    pack_weights(layer, SimpleNamespace(gemm_packed=counted("gemm_packed"), pack_gemm=lib.pack_gemm))
+    assert layer.packed.tensor is not None and layer.weight.numel() == 0  # both packed layouts serve every row
+    for rows in (1, 2, SMALL_ROWS, SMALL_ROWS + 1, 64):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-    assert calls == [("gemv", 1), ("gemv", SKINNY_ROWS), ("gemm_packed", SKINNY_ROWS + 1), ("gemm_packed", SMALL_ROWS)]
+        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert calls == [("gemm_packed", 1), ("gemm_packed", 2), ("gemm_packed", SMALL_ROWS)]
+    assert layer(torch.randn(0, 64)).shape == (0, 96)  # a step with no rows to sample
+
+
+def test_a_tied_lm_head_keeps_the_embedding_it_shares() -> None:
+    from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from engine.layers.linear import pack_weights
+    model = nn.Module()
+    model.embed, model.head = VocabParallelEmbedding(100, 64), ParallelLMHead(100, 64)
+    model.embed.weight.data.normal_()
+    model.head.weight = model.embed.weight
+    weight = model.embed.weight.detach().clone()
+    pack_weights(model, lib)
+    assert model.head.packed is not None and torch.equal(model.embed.weight, weight)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.head(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:

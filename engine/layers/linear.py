@@ -18,7 +18,6 @@ def _rows(loaded, start: int, size: int) -> torch.Tensor:
 
 
 PLAIN_MARGIN = 1.25  # timings on a shared machine are noisy: packed, the usual winner, stays unless clearly beaten
-SKINNY_ROWS = 2  # kernels/csrc/gemv.h takes up to 8; at 4 rows oneDNN packed was as fast (Zen 4 VM, 2 cores)
 SMALL_ROWS = 32  # kernels/csrc/gemm.h up to here: 1.02-1.46x oneDNN at 3-32 rows cold, behind it from 48 (f32, Zen 5)
 
 
@@ -36,17 +35,19 @@ def padded_rows(n: int) -> int:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """How a linear runs on this CPU: inputs of up to `skinny_rows` rows through `skinny` (the C++ kernel of
-    kernels/csrc/gemv.h, reading the plain weight once), then up to `small_rows` through `small` (gemm.h, on
-    its own panel layout `small_tensor`), from `min_rows` rows through oneDNN's blocked layout `tensor`
-    (None: measured slower than plain here), F.linear otherwise."""
+    """How a linear of `out_features` outputs runs on this CPU: inputs of up to `small_rows` rows through `small`
+    (the C++ kernel of kernels/csrc/gemm.h, on its own panel layout `small_tensor`), from `min_rows` rows
+    through oneDNN's blocked layout `tensor` (None: measured slower than plain here), F.linear otherwise."""
     tensor: torch.Tensor | None
     min_rows: int
-    skinny: Callable | None = None
-    skinny_rows: int = 0
+    out_features: int
     small: Callable | None = None
     small_tensor: torch.Tensor | None = None
     small_rows: int = 0
+
+    @property
+    def needs_plain(self) -> bool:
+        return self.tensor is None or self.min_rows > self.small_rows + 1
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
@@ -54,11 +55,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
     """x @ weight.T (+ bias), on CPU through the kernel measured fastest for its rows."""
     if packed is not None:
         if 0 < x.shape[0] <= packed.small_rows and x.dim() == 2:
-            if x.shape[0] <= packed.skinny_rows:
-                return packed.skinny(x.contiguous(), weight, bias)
-            return packed.small(x.contiguous(), packed.small_tensor, weight.shape[0], bias)
+            return packed.small(x.contiguous(), packed.small_tensor, packed.out_features, bias)
         if packed.tensor is not None and x.shape[0] >= packed.min_rows:
             return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+        if x.shape[0] == 0 and x.dim() == 2:  # a step with no rows to sample; the plain weight may be released
+            return x.new_empty((0, packed.out_features))
     return F.linear(x, weight, bias)
 
 
@@ -76,7 +77,7 @@ def _seconds(a: Callable[[], object], b: Callable[[], object], rounds: int = 4, 
 
 def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None:
     """oneDNN's blocked layout for this weight, unless the plain layout is clearly faster on this CPU
-    (by PLAIN_MARGIN, timed for a batch of 32 rows and, without the skinny kernel, a decode GEMV of 1 row).
+    (by PLAIN_MARGIN, timed for a batch of 32 rows and, without the C++ kernels, a decode GEMV of 1 row).
     Which wins depends on the CPU and the shape: on an Intel AMX machine plain float32 was faster below 2^19
     elements and for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV
     8x faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row). Such
@@ -84,32 +85,34 @@ def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None
     at 6-20 GB/s, hence the C++ kernels up to SMALL_ROWS whatever the timing says."""
     w = weight.data
     ours = fused is not None and w.dtype in (torch.float32, torch.bfloat16)
-    rows = SKINNY_ROWS if ours else 0
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     except RuntimeError:  # e.g. float16 without AVX512-FP16 / AVX-NE-CONVERT
         return None
     plain_wins = []
-    for n in (32,) if rows else (1, 32):
+    for n in (32,) if ours else (1, 32):
         x = torch.randn(n, w.shape[1], dtype=w.dtype)
         t_packed, t_plain = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
                                      lambda: F.linear(x, w))
         plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
     *gemv, batch = plain_wins
-    small = dict(skinny=fused.gemv, skinny_rows=rows, small=fused.gemm_packed, small_tensor=fused.pack_gemm(w),
-                 small_rows=SMALL_ROWS) if ours else {}
+    small = dict(small=fused.gemm_packed, small_tensor=fused.pack_gemm(w), small_rows=SMALL_ROWS) if ours else {}
     if batch:
-        return PackedWeight(None, 0, **small) if ours else None
-    return PackedWeight(packed, 4 if any(gemv) else 1, **small)
+        return PackedWeight(None, 0, w.shape[0], **small) if ours else None
+    return PackedWeight(packed, 4 if any(gemv) else 1, w.shape[0], **small)
 
 
 def pack_weights(model: nn.Module, fused: ModuleType | None = None) -> int:
     """Reorders linear weights once into oneDNN's blocked layout, as Inductor's CPU freezing does,
     where that measured faster on this CPU (one timing per distinct shape); `fused`: the C++ kernels
-    (kernels/cpu_ops.py), which take inputs of up to SMALL_ROWS rows. Returns how many weights were packed."""
+    (kernels/cpu_ops.py), which take inputs of up to SMALL_ROWS rows. The plain weight is released where the
+    packed layouts serve every row count and no other module shares it (a tied embedding). Returns how many
+    weights were packed."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
     choice: dict[tuple, PackedWeight | None] = {}
+    shared = {p.data_ptr() for m in model.modules() if not getattr(m, "packable", False)
+              for p in m.parameters(recurse=False)}
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -122,6 +125,8 @@ def pack_weights(model: nn.Module, fused: ModuleType | None = None) -> int:
             tensor = None if plan.tensor is None else torch.ops.mkldnn._reorder_linear_weight(w.data, None)
             small = None if plan.small is None else fused.pack_gemm(w.data)
             module.packed = replace(plan, tensor=tensor, small_tensor=small)
+        if module.packed is not None and not module.packed.needs_plain and w.data_ptr() not in shared:
+            w.data = w.data.new_empty(0)
         n += module.packed is not None and module.packed.tensor is not None
     return n
 

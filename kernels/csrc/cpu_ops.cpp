@@ -5,7 +5,6 @@
 #include <sched.h>
 
 #include "gemm.h"
-#include "gemv.h"
 #include "paged_attention.h"
 #include "simd.h"
 
@@ -144,7 +143,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_embedding_", &rotary_embedding_);
   m.def("bind_threads", &bind_threads);
-  m.def("gemv", &gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_gemm", &pack_gemm);
   m.def("gemm_packed", &gemm_packed, py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none());
 }
