@@ -95,11 +95,11 @@ def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None
         t_packed, t_plain = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
                                      lambda: F.linear(x, w))
         plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
-    *gemv, batch = plain_wins
+    *decode, batch = plain_wins
     small = dict(small=fused.gemm_packed, small_tensor=fused.pack_gemm(w), small_rows=SMALL_ROWS) if ours else {}
     if batch:
         return PackedWeight(None, 0, w.shape[0], **small) if ours else None
-    return PackedWeight(packed, 4 if any(gemv) else 1, w.shape[0], **small)
+    return PackedWeight(packed, 4 if any(decode) else 1, w.shape[0], **small)
 
 
 def pack_weights(model: nn.Module, fused: ModuleType | None = None) -> int:
