@@ -57,6 +57,9 @@ class EngineConfig:
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed activations for reuse (engine/host_memory.py)
     cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
+    # added to the core process's niceness (engine_core_process=True only): where the engine's threads fill every
+    # core, the front end (detokenising, HTTP, routing) still gets a core at once when it wakes
+    core_process_nice: int = 10
     seed: int = 0
     model_runner_cls: str = "engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
@@ -80,6 +83,8 @@ class EngineConfig:
             _fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.watermark < 1:
             _fail("watermark", f"must be in [0, 1), got {self.watermark}")
+        if not isinstance(self.core_process_nice, int) or not 0 <= self.core_process_nice <= 19:
+            _fail("core_process_nice", f"must be an integer in [0, 19], got {self.core_process_nice!r}")
         if self.swap_space < 0 or self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 0:
             _fail("swap_space", "long_prefill_token_threshold and max_num_partial_prefills must be >= 0")
         choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),

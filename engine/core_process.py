@@ -33,7 +33,9 @@ def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[in
         from engine.config import EngineConfig
         from engine.core import EngineCore
         from engine.heap import freeze_startup_heap
-        core = EngineCore(EngineConfig(**options), eos_token_ids)
+        config = EngineConfig(**options)
+        os.nice(config.core_process_nice)
+        core = EngineCore(config, eos_token_ids)
         freeze_startup_heap()
         outputs.send(codec.encode(CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks,
                                             os.getpid(), core.stats())))

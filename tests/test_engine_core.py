@@ -33,6 +33,13 @@ def test_core_process_greedy_matches_transformers(llm_mp: LLM) -> None:
     assert not hasattr(llm_mp.engine, "scheduler"), "the core's parts live in the other process"
 
 
+def test_core_process_yields_the_cpu_to_its_front_end(llm_mp: LLM) -> None:
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, llm_mp.engine.core.core_pid) == min(19, mine + 10)
+    with pytest.raises(ValueError, match="core_process_nice"):
+        EngineConfig(model=MODEL, core_process_nice=20)
+
+
 def test_core_process_stop_strings_n_and_logprobs_like_in_process(llm_mp: LLM) -> None:
     local = LLM(MODEL, dtype="float32", num_blocks=128)
     prompts = ["def", "import os\nimport sys\n", "class Parser:\n"]
