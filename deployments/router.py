@@ -237,7 +237,9 @@ class Router:
                 raise APIError(f"overloaded: {e}", status=503, type="service_unavailable") from None
             raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
         ttft, replica = time.perf_counter() - start, first.get("replica", "")
-        timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}",
+        egress = time.time() - first.get("emitted_at", time.time())
+        timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}"
+                                   f", ingress;dur={1000 * first.get('ingress_s', 0.0):.3f}, egress;dur={1000 * egress:.3f}",
                   "x-conveyor-replica": replica}
         if not req.stream:
             builder.add(first["deltas"])
