@@ -132,7 +132,7 @@ def app_args(args: argparse.Namespace, **over: Any) -> Any:
     from deployments.app import AppArgs
     engine = {**dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16),
-              **over.pop("engine", {})}
+              **json.loads(args.engine), **over.pop("engine", {})}
     common = dict(model=args.model, engine=engine, num_replicas=2, replica_num_cpus=args.ray_cpus * 0.2,
                   router_num_cpus=args.ray_cpus * 0.05, torch_threads=args.threads)
     return AppArgs(**{**common, **over})
@@ -395,6 +395,7 @@ def main() -> None:
     p.add_argument("--apps", default="kv,p2c", help="routing: which routers to run (kv, p2c)")
     p.add_argument("--warmup", type=int, default=32, help="routing: unmeasured requests per app first")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
+    p.add_argument("--engine", default="{}", help="EngineConfig fields for every app, JSON")
     p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
     p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
     p.add_argument("--overload", type=float, default=10.0, help="offered load / measured capacity")
