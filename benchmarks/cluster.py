@@ -101,7 +101,7 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                             "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
                 timing = server_timing_ms(r.headers.get("server-timing", ""))
                 router_ms, replica_ms = timing.get("router"), timing.get("replica")
-                ingress_ms, egress_ms = timing.get("ingress"), timing.get("egress")
+                ingress_ms, egress_ms, admission_ms = timing.get("ingress"), timing.get("egress"), timing.get("admission")
                 ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
         except httpx.HTTPError as e:
             return {"status": -1, "error": repr(e), "refused": refused}
@@ -109,7 +109,8 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                 "refused": refused, "router_ttft": router_ms / 1000 if router_ms is not None else None,
                 "replica_ttft": replica_ms / 1000 if replica_ms is not None else None,
                 "ingress": ingress_ms / 1000 if ingress_ms is not None else None,
-                "egress": egress_ms / 1000 if egress_ms is not None else None}
+                "egress": egress_ms / 1000 if egress_ms is not None else None,
+                "admission": admission_ms / 1000 if admission_ms is not None else None}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -217,8 +218,8 @@ def routing(url: str, args: argparse.Namespace) -> None:
             view_after = asyncio.run(cluster_view(url, f"/{app}"))
             before, after = view["totals"], view_after["totals"]
             r = {"ttft": [o["ttft"] for o in out if o["status"] == 200], "tokens": sum(o.get("tokens", 0) for o in out),
-                 "inside": [(o["router_ttft"], o["replica_ttft"], o["ingress"], o["egress"]) for o in out
-                            if o.get("egress") is not None],
+                 "inside": [(o["router_ttft"], o["replica_ttft"], o["ingress"], o["egress"], o["admission"])
+                            for o in out if o.get("admission") is not None],
                  "elapsed": elapsed, "refused": sum(o["refused"] for o in out),
                  "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
                  "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
@@ -245,11 +246,12 @@ def routing(url: str, args: argparse.Namespace) -> None:
     for app, runs in res.items():
         inside = [x for r in runs for x in r["inside"]]
         if inside:
-            router, replica, ingress, egress = ([x[i] for x in inside] for i in range(4))
+            router, replica, ingress, egress, admission = ([x[i] for x in inside] for i in range(5))
             print(f"{ROUTERS[app]}: TTFT inside the router p50/p99 {1000 * pct(router, .5):.1f} / "
                   f"{1000 * pct(router, .99):.1f} ms, of which in the replica (arrival to first token) "
                   f"{1000 * pct(replica, .5):.1f} / {1000 * pct(replica, .99):.1f} ms; p50 of router receipt to engine "
-                  f"arrival {1000 * pct(ingress, .5):.1f} ms, of first token out to the router "
+                  f"arrival {1000 * pct(ingress, .5):.1f} ms (to the handle call {1000 * pct(admission, .5):.1f} ms, p99 "
+                  f"{1000 * pct(admission, .99):.1f}), of first token out to the router "
                   f"{1000 * pct(egress, .5):.1f} ms")
     if len(stat) < 2:
         return

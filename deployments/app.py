@@ -81,6 +81,7 @@ class AppArgs(BaseModel):
     topology: Literal["handle", "single"] = "handle"
     handle_transport: Literal["by_reference", "grpc"] = "by_reference"
     token_channel: bool = True
+    user_code_thread: bool = False
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
     api_key: str | None = Field(None, min_length=1, repr=False)
@@ -150,6 +151,15 @@ class AppArgs(BaseModel):
             return device == "cuda"
         return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
+    def serve_env(self) -> dict[str, str]:
+        """Ray Serve's per-process switches for the router and replica actors. Unless `user_code_thread`: our code
+        runs on the replica's own event loop instead of a thread of its own (one cross-thread hop less per request
+        and per streamed item) and access logs are buffered, two of the settings of Ray's
+        RAY_SERVE_THROUGHPUT_OPTIMIZED, which as a whole also switches the cluster's ingress and transport."""
+        if self.user_code_thread:
+            return {}
+        return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
+
     def replica_options(self) -> dict[str, Any]:
         gpu = self.use_gpu()
         tp = int(self.engine.get("tensor_parallel_size", 1))
@@ -158,7 +168,7 @@ class AppArgs(BaseModel):
         threads = str(self.torch_threads or max(1, int(self.replica_num_cpus)))
         opts: dict[str, Any] = dict(
             ray_actor_options={"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0),
-                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
+                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **self.serve_env()}}},
             placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []), placement_group_strategy="STRICT_PACK",
             max_ongoing_requests=self.max_ongoing_requests)
         if self.autoscaling is not None or self.kv_autoscaling is not None:
@@ -197,7 +207,7 @@ def build_app(args: AppArgs) -> Application:
         server = serve.deployment(name="LLMServer", health_check_period_s=5)(LLMServer)
         return server.options(**args.replica_options()).bind(replica_args, *router_args)
     replica = LLMReplica.options(**args.replica_options()).bind(**replica_args)
-    env = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"} if args.handle_transport == "grpc" else {}
+    env = {**args.serve_env(), **({"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"} if args.handle_transport == "grpc" else {})}
     router = Router.options(num_replicas=args.router_replicas,
                             ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": env}})
     return router.bind(replica, *router_args)

@@ -221,7 +221,7 @@ class Router:
             self.metrics.sources[chunk["replica"]] = chunk["metrics"]
 
     async def run(self, req: SamplingRequest, gen_req: GenerateRequest, hint: RoutingHint, builder: ResponseBuilder,
-                  start: float) -> Response:
+                  start: float, admitted_s: float = 0.0) -> Response:
         stream = self.stream(gen_req, hint, time.time() - (time.perf_counter() - start))
         endpoint = "/v1/chat/completions" if isinstance(req, ChatCompletionRequest) else "/v1/completions"
         try:
@@ -239,7 +239,8 @@ class Router:
         ttft, replica = time.perf_counter() - start, first.get("replica", "")
         egress = time.time() - first.get("emitted_at", time.time())
         timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}"
-                                   f", ingress;dur={1000 * first.get('ingress_s', 0.0):.3f}, egress;dur={1000 * egress:.3f}",
+                                   f", admission;dur={1000 * admitted_s:.3f}, ingress;dur={1000 * first.get('ingress_s', 0.0):.3f}"
+                                   f", egress;dur={1000 * egress:.3f}",
                   "x-conveyor-replica": replica}
         if not req.stream:
             builder.add(first["deltas"])
@@ -294,7 +295,7 @@ class Router:
             builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
                                       len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode,
                                       parser)
-            return await self.run(req, gen_req, hint, builder, start)
+            return await self.run(req, gen_req, hint, builder, start, time.perf_counter() - start)
         except APIError as e:
             return error_response(e)
         except Exception as e:

@@ -26,7 +26,11 @@ def test_topologies_build_the_deployments_they_name() -> None:
     assert default._bound_deployment.name == "Router" and replica._bound_deployment.name == "LLMReplica"
     assert replica._bound_deployment.init_kwargs["engine_core_process"] is True
     assert replica._bound_deployment.init_kwargs["stream_interval"] == 4
-    grpc = build_app(AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2))
+    on_loop = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
+    assert default._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == on_loop
+    assert replica._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "1", **on_loop}
+    grpc = build_app(AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2,
+                             user_code_thread=True))
     env = grpc._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
     assert env == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
     kwargs = grpc._bound_deployment.init_args[0]._bound_deployment.init_kwargs
