@@ -238,9 +238,9 @@ class Router:
             raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
         ttft, replica = time.perf_counter() - start, first.get("replica", "")
         egress = time.time() - first.get("emitted_at", time.time())
-        timing = {"server-timing": f"replica;dur={1000 * first.get('first_s', 0.0):.3f}, router;dur={1000 * ttft:.3f}"
-                                   f", admission;dur={1000 * admitted_s:.3f}, ingress;dur={1000 * first.get('ingress_s', 0.0):.3f}"
-                                   f", egress;dur={1000 * egress:.3f}",
+        phases = {"replica": first.get("first_s", 0.0), "router": ttft, "admission": admitted_s,
+                  "ingress": first.get("ingress_s", 0.0), "egress": egress}
+        timing = {"server-timing": ", ".join(f"{name};dur={1000 * s:.3f}" for name, s in phases.items()),
                   "x-conveyor-replica": replica}
         if not req.stream:
             builder.add(first["deltas"])
