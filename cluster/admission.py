@@ -265,6 +265,11 @@ class AdmissionController:
         headroom = min(1.0, max(0.0, 1.0 - self.pressure(replica_id)))
         return cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
 
+    def idle(self) -> bool:
+        """No replica runs or queues a request, and no reservation is outstanding."""
+        return all(not e.stats.num_running and not e.stats.num_waiting and not self.reserved(rid)[1]
+                   for rid, e in self.replicas.items())
+
     def pressure(self, replica_id: str) -> float:
         """KV demand / capacity, counting this controller's reservations."""
         total = self.replicas[replica_id].stats.kv_blocks_total

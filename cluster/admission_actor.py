@@ -92,7 +92,8 @@ class AdmissionActor:
 
 class AdmissionClient:
     """Router side: a local controller restored from the actor's snapshot every `refresh_s` in the
-    background. `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
+    background (while the router decides nothing and no replica works, every `idle_refresh_s`; the next
+    request wakes it). `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
     snapshot (at most one per `refresh_s`) before refusing; when replicas are full, up to
     `max_queued` requests wait (FIFO, re-deciding on each refresh) up to `queue_timeout_s` for room.
     `get_actor` resolves the actor handle (again after the actor was recreated). While the actor cannot be
@@ -117,6 +118,8 @@ class AdmissionClient:
         self.demand = 0  # blocks wanted since the last sync: reserved, and refused for want of lease
         self.short = 0  # the largest request refused for want of lease since the last sync: its claim
         self._wake = asyncio.Event()
+        self.decisions = 0
+        self.quiet = False  # the last refresh found no request here and no work on any replica: sync slower
 
     async def refresh(self) -> dict[str, Any]:
         async with self._lock:
@@ -144,16 +147,23 @@ class AdmissionClient:
 
     async def _run(self) -> None:
         while True:
+            decided = self.decisions
             try:
                 await self.refresh()
             except Exception as e:
                 log.warning("admission snapshot refresh failed: %r", e)
                 await asyncio.sleep(0.5)
+            self.quiet = self.decisions == decided and not self.queued and self.controller.idle()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.refresh_s)
+                await asyncio.wait_for(self._wake.wait(), self.idle_refresh_s if self.quiet else self.refresh_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+
+    @property
+    def idle_refresh_s(self) -> float:
+        """While nothing happens anywhere: a third of the staleness bound, as the replicas' heartbeat."""
+        return max(self.refresh_s, self.controller.config.staleness_s / 3)
 
     def start(self) -> None:
         if self._task is None:
@@ -163,6 +173,10 @@ class AdmissionClient:
                      keys: Sequence[bytes] = (), num_seqs: int = 1, output_blocks: int = 0) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
         refuse; `keys`: the prompt's block keys."""
+        self.decisions += 1
+        if self.quiet:
+            self.quiet = False
+            self._wake.set()
         now = self.clock()
         d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
         if not d.admit and d.reason in ("no_replicas", "stale") and self.failed_at > self.fetched_at:

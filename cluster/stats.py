@@ -3,7 +3,7 @@
 A replica reports `EngineStats.to_dict() | {"replica_id": id}`; `ReplicaStats.from_dict` reads it.
 The replica id is `serve.get_replica_context().replica_id.unique_id` everywhere in cluster/.
 """
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 import math
 from typing import Any, Sequence
 
@@ -53,6 +53,11 @@ class ReplicaStats(KVUsage):
     def room_blocks(self, block_size: int = BLOCK_SIZE) -> int:
         """Free blocks left once the already-waiting prompts are placed."""
         return self.kv_blocks_free - self.waiting_blocks(block_size)
+
+    def idle_since(self, earlier: "ReplicaStats") -> bool:
+        """Nothing ran, waited or changed between `earlier` and this snapshot."""
+        return (not self.num_running and not self.num_waiting
+                and replace(self, timestamp=earlier.timestamp) == earlier)
 
     def pressure(self, block_size: int = BLOCK_SIZE) -> float:
         """KV demand / capacity: used blocks plus blocks the waiting queue will need. May exceed 1."""
@@ -116,10 +121,13 @@ class Rates:
 
 
 def push_due(last: ReplicaStats | None, current: ReplicaStats, last_push_at: float, now: float,
-             interval_s: float = 0.1, big_change: float = 0.1) -> bool:
-    """Replica-side push rule: every `interval_s`, or at once on a big change in KV pressure/queue."""
-    if last is None or now - last_push_at >= interval_s:
+             interval_s: float = 0.1, big_change: float = 0.1, idle_interval_s: float = 0.0) -> bool:
+    """Replica-side push rule: every `interval_s`, or at once on a big change in KV pressure/queue; an idle
+    replica whose stats have not moved since the last push, only every `idle_interval_s` (a heartbeat)."""
+    if last is None:
         return True
+    if now - last_push_at >= interval_s:
+        return now - last_push_at >= idle_interval_s or not current.idle_since(last)
     if current.num_preemptions != last.num_preemptions:
         return True
     if abs(current.pressure() - last.pressure()) >= big_change:

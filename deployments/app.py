@@ -195,9 +195,12 @@ def build_app(args: AppArgs) -> Application:
     (deployments/server.py) holds both, no handle hop."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     push = args.stats_push_s if args.admission is not None else 0.0
+    # an idle replica's last push, as a quiet router's view holds it (synced every staleness/3), stays under the
+    # staleness bound with room for a late push
+    heartbeat = AdmissionConfig(**args.admission_config()).staleness_s / 4 if args.admission is not None else 0.0
     replica_args = dict(engine_args=args.engine_config(), torch_threads=args.torch_threads,
                         stream_interval=args.stream_interval, stats_push_s=push,
-                        engine_core_process=args.engine_core_process)
+                        engine_core_process=args.engine_core_process, heartbeat_s=heartbeat)
     router_args = (args.model, args.served_model_name, args.admission is not None, args.block_size,
                    args.revision, args.template_text(), args.tool_call_parser,
                    GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),

@@ -59,6 +59,16 @@ def test_push_due_interval_and_big_changes():
     assert push_due(a, rs("r", used=10, waiting=1), 0.0, 0.01)
 
 
+def test_push_due_an_idle_unchanged_replica_only_as_a_heartbeat():
+    idle = rs("r", used=2, ts=1.0)
+    assert not push_due(idle, rs("r", used=2, ts=1.1), 0.0, 0.1, idle_interval_s=0.2)  # nothing moved
+    assert push_due(idle, rs("r", used=2, ts=1.2), 0.0, 0.2, idle_interval_s=0.2)  # the heartbeat
+    assert push_due(idle, rs("r", used=3, ts=1.1), 0.0, 0.1, idle_interval_s=0.2)  # a block freed or taken
+    busy = rs("r", used=2, running=1)
+    assert push_due(busy, rs("r", used=2, running=1), 0.0, 0.1, idle_interval_s=0.2)  # running: every interval
+    assert push_due(idle, rs("r", used=2), 0.0, 0.1)  # no heartbeat set: every interval as before
+
+
 def test_prefix_index_lru_evicts_deep_blocks_first():
     idx = PrefixIndex(max_blocks_per_replica=4)
     h = block_hashes(list(range(16 * 3)), 16)
@@ -267,6 +277,40 @@ def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
         await client.refresh()  # a new handle; stats counting the 2 admitted requests' arrival settle them
         assert len(actors) == 2 and client.controller.room("r") == 10
         assert client.snapshot["totals"]["replicas"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_admission_client_syncs_slower_while_nothing_happens_and_wakes_on_a_request():
+    body = AdmissionActor({"staleness_s": 0.6})
+    body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+    syncs: list[float] = []
+
+    async def get_actor() -> FakeActor:
+        actor = FakeActor(body)
+        inner = actor.sync.remote
+
+        async def counted(*args):
+            syncs.append(time.monotonic())
+            return await inner(*args)
+        actor.sync = SimpleNamespace(remote=counted)
+        return actor
+
+    async def scenario() -> None:
+        client = AdmissionClient(get_actor, refresh_s=0.02)
+        client.start()
+        await asyncio.sleep(0.5)
+        assert client.idle_refresh_s == pytest.approx(0.2)  # the actor's staleness bound / 3
+        assert client.quiet and 2 <= len(syncs) <= 4  # every 0.2 s, not every 0.02 s
+        before = len(syncs)
+        d = await client.decide(2)
+        assert d.admit
+        await asyncio.sleep(0.01)
+        assert len(syncs) == before + 1  # the request woke a sync at once
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=8, num_running=1).to_dict(), "replica_id": "r"})
+        await asyncio.sleep(0.3)
+        assert not client.quiet and len(syncs) >= before + 5  # a replica at work: every refresh_s again
+        client._task.cancel()
 
     asyncio.run(scenario())
 
