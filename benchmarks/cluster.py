@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -117,9 +118,29 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1] if len(xs) > 1 else xs[0]
 
 
+def wait_for_ports(ports: list[tuple[str, int]], timeout_s: float = 60.0) -> None:
+    """Until each (host, port) can be bound: a run started right after another found the last one's HAProxy
+    still holding its ports, and the new HAProxy exited."""
+    deadline = time.monotonic() + timeout_s
+    for host, port in ports:
+        while True:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"port {host}:{port} still in use after {timeout_s:g} s") from None
+            time.sleep(0.5)
+
+
 def start_ray(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_METRICS_PORT, RAY_SERVE_HAPROXY_STATS_PORT
+    extra = [("0.0.0.0", RAY_SERVE_HAPROXY_STATS_PORT), ("0.0.0.0", RAY_SERVE_HAPROXY_METRICS_PORT)]
+    wait_for_ports([("127.0.0.1", args.port), *(extra if args.haproxy else [])])
     args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-cluster-", dir="/tmp")
     use_haproxy(args.haproxy, args.temp_dir)
     print(f"ingress: {'HAProxy, direct to the router replicas' if args.haproxy else 'Serve proxy'}", flush=True)

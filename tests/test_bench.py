@@ -1,8 +1,11 @@
 """The step trace records exactly the steps the scheduler ran; `conveyor bench throughput | timeline` run
 end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/test_metrics.py,
-against the served app)."""
+against the served app); the cluster bench waits for ports a previous run still holds."""
 import json
 import random
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,20 @@ def test_serve_bench_goodput_and_percentiles() -> None:
     assert s["errors"] == ["HTTPStatusError: 503"]
     with pytest.raises(ValueError, match="--slo"):
         parse_slo("latency=1")
+
+
+def test_cluster_bench_waits_for_ports_the_last_run_still_holds() -> None:
+    from benchmarks.cluster import wait_for_ports
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    threading.Timer(0.7, held.close).start()
+    start = time.monotonic()
+    wait_for_ports([("127.0.0.1", port)], timeout_s=20)
+    assert 0.6 <= time.monotonic() - start < 20
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(RuntimeError, match="still in use"):
+            wait_for_ports([("127.0.0.1", busy.getsockname()[1])], timeout_s=0.2)
