@@ -267,8 +267,7 @@ class AdmissionController:
 
     def idle(self) -> bool:
         """No replica runs or queues a request, and no reservation is outstanding."""
-        return all(not e.stats.num_running and not e.stats.num_waiting and not self.reserved(rid)[1]
-                   for rid, e in self.replicas.items())
+        return all(e.stats.idle and not self.reserved(rid)[1] for rid, e in self.replicas.items())
 
     def pressure(self, replica_id: str) -> float:
         """KV demand / capacity, counting this controller's reservations."""

@@ -54,10 +54,13 @@ class ReplicaStats(KVUsage):
         """Free blocks left once the already-waiting prompts are placed."""
         return self.kv_blocks_free - self.waiting_blocks(block_size)
 
+    @property
+    def idle(self) -> bool:
+        return not self.num_running and not self.num_waiting
+
     def idle_since(self, earlier: "ReplicaStats") -> bool:
         """Nothing ran, waited or changed between `earlier` and this snapshot."""
-        return (not self.num_running and not self.num_waiting
-                and replace(self, timestamp=earlier.timestamp) == earlier)
+        return self.idle and replace(self, timestamp=earlier.timestamp) == earlier
 
     def pressure(self, block_size: int = BLOCK_SIZE) -> float:
         """KV demand / capacity: used blocks plus blocks the waiting queue will need. May exceed 1."""

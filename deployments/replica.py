@@ -65,8 +65,7 @@ class LLMReplica:
             events = self.engine.drain_kv_events(MAX_KV_EVENTS)
             try:
                 report = {**current.to_dict(), "kv_events": events.to_dict()}
-                settled = not current.num_running and not current.num_waiting and current.num_finished != metrics_finished
-                if now - metrics_at >= METRICS_PUSH_S or settled:
+                if now - metrics_at >= METRICS_PUSH_S or (current.idle and current.num_finished != metrics_finished):
                     report["metrics"] = self.metrics.dump(self.engine.stats())
                     metrics_at, metrics_finished = now, current.num_finished
                 answer = await asyncio.wait_for(self.admission().report.remote(report), timeout=2.0)
