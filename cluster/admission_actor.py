@@ -121,8 +121,14 @@ class AdmissionClient:
         self.decisions = 0
         self.quiet = False  # the last refresh found no request here and no work on any replica: sync slower
 
-    async def refresh(self) -> dict[str, Any]:
+    async def refresh(self, unless_since: float | None = None) -> dict[str, Any]:
+        """One sync with the actor; `unless_since`: none if a sync ended since then (the requests of a burst that
+        all found the view stale share one sync, and one failure)."""
         async with self._lock:
+            if unless_since is not None and self.snapshot is not None and self.fetched_at >= unless_since:
+                return self.snapshot
+            if unless_since is not None and self.error is not None and self.failed_at >= unless_since:
+                raise self.error
             taken = self.controller.book.take()
             try:
                 if self._actor is None:
@@ -179,11 +185,13 @@ class AdmissionClient:
             self._wake.set()
         now = self.clock()
         d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
-        if not d.admit and d.reason in ("no_replicas", "stale") and self.failed_at > self.fetched_at:
+        reached = self.fetched_at > float("-inf")
+        if not d.admit and d.reason in ("no_replicas", "stale") and reached and self.failed_at > self.fetched_at:
             return self._fail_open(d, self.error)  # the background refresh keeps trying; requests don't wait on it
+        # a router that never reached the actor is starting (its replicas came up after it), not cut off: sync first
         if not d.admit and d.reason in ("no_replicas", "stale") and now - self.fetched_at > self.refresh_s:
             try:
-                await self.refresh()
+                await self.refresh(unless_since=now)
             except Exception as e:
                 return self._fail_open(d, e)
             now = self.clock()

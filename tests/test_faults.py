@@ -205,6 +205,42 @@ def test_admission_client_fails_open_while_the_actor_is_unreachable(caplog: pyte
     asyncio.run(scenario())
 
 
+def test_a_router_that_never_reached_the_actor_syncs_before_deciding_instead_of_failing_open() -> None:
+    """A router starts before its replicas, so its first syncs fail; a burst that comes once the actor answers
+    is decided on the actor's view (admitted up to the watermark, then refused), not failed open. The requests
+    that find the view stale share one sync."""
+    body, alive, syncs = AdmissionActor(ADMISSION), [False], [0]
+
+    class Actor:
+        class sync:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                async def call() -> dict[str, Any]:
+                    syncs[0] += 1
+                    await asyncio.sleep(0.01)
+                    return body.sync(*args)
+                return call()
+
+    async def get_actor() -> Actor:
+        if not alive[0]:
+            raise ConnectionError("no replica yet")
+        return Actor()
+
+    async def scenario() -> None:
+        from engine.stats import EngineStats
+        client = AdmissionClient(get_actor)
+        with pytest.raises(ConnectionError):
+            await client.refresh()
+        alive[0] = True
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        decisions = await asyncio.gather(*(client.decide(2) for _ in range(8)))
+        assert syncs[0] == 1, syncs
+        assert [d.reason for d in decisions] == ["ok"] * 4 + ["no_room"] * 4, decisions
+        assert all(d.replicas == ["r"] for d in decisions[:4])
+
+    asyncio.run(scenario())
+
+
 def test_local_stream_cancel_ends_a_read_in_progress() -> None:
     """The single topology's in-process stream (deployments/server.py), as the drain timeout uses it: cancel()
     from another task ends the pending read with RequestCancelledError after the generator's own cleanup ran,
