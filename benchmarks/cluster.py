@@ -220,7 +220,9 @@ async def with_saturation(actor: Any, work: Any) -> tuple[Any, float]:
 
 def routing(url: str, args: argparse.Namespace) -> None:
     from ray import serve
-    apps = {"kv": app_args(args, request_router=json.loads(args.router)), "p2c": app_args(args, request_router=None)}
+    admission = json.loads(args.admission)
+    apps = {"kv": app_args(args, request_router=json.loads(args.router), admission=admission),
+            "p2c": app_args(args, request_router=None, admission=admission)}
     names = [a for a in ROUTERS if a in args.apps.split(",")]
     deploy(url, {a: apps[a] for a in names})
     rng = random.Random(999)  # prompts of the workload's shape that share nothing with it
@@ -419,7 +421,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=32, help="routing: unmeasured requests per app first")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
     p.add_argument("--engine", default="{}", help="EngineConfig fields for every app, JSON")
-    p.add_argument("--admission", default="{}", help="overload scenarios: AdmissionConfig fields, JSON")
+    p.add_argument("--admission", default="{}", help="AdmissionConfig fields for every app, JSON")
     p.add_argument("--routers", type=int, default=2, help="two-routers: router replicas")
     p.add_argument("--overload", type=float, default=10.0, help="offered load / measured capacity")
     p.add_argument("--rate", type=float, default=0.0, help="offer this many req/s instead of overload x capacity")

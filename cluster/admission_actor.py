@@ -168,8 +168,9 @@ class AdmissionClient:
 
     @property
     def idle_refresh_s(self) -> float:
-        """While nothing happens anywhere: a third of the staleness bound, as the replicas' heartbeat."""
-        return max(self.refresh_s, self.controller.config.staleness_s / 3)
+        """While nothing happens anywhere: a third of the staleness bound (`quiet_when_idle`)."""
+        cfg = self.controller.config
+        return max(self.refresh_s, cfg.staleness_s / 3) if cfg.quiet_when_idle else self.refresh_s
 
     def start(self) -> None:
         if self._task is None:

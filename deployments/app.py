@@ -197,7 +197,8 @@ def build_app(args: AppArgs) -> Application:
     push = args.stats_push_s if args.admission is not None else 0.0
     # an idle replica's last push, as a quiet router's view holds it (synced every staleness/3), stays under the
     # staleness bound with room for a late push
-    heartbeat = AdmissionConfig(**args.admission_config()).staleness_s / 4 if args.admission is not None else 0.0
+    admission = AdmissionConfig(**args.admission_config()) if args.admission is not None else None
+    heartbeat = admission.staleness_s / 4 if admission is not None and admission.quiet_when_idle else 0.0
     replica_args = dict(engine_args=args.engine_config(), torch_threads=args.torch_threads,
                         stream_interval=args.stream_interval, stats_push_s=push,
                         engine_core_process=args.engine_core_process, heartbeat_s=heartbeat)

@@ -310,6 +310,9 @@ def test_admission_client_syncs_slower_while_nothing_happens_and_wakes_on_a_requ
         body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=8, num_running=1).to_dict(), "replica_id": "r"})
         await asyncio.sleep(0.3)
         assert not client.quiet and len(syncs) >= before + 5  # a replica at work: every refresh_s again
+        body.configure({"quiet_when_idle": False})
+        await asyncio.sleep(0.05)
+        assert client.idle_refresh_s == client.refresh_s  # the switch: idle or not, every refresh_s
         client._task.cancel()
 
     asyncio.run(scenario())

@@ -29,6 +29,8 @@ def test_topologies_build_the_deployments_they_name() -> None:
     assert replica._bound_deployment.init_kwargs["heartbeat_s"] == 0.5 / 4  # idle pushes: a quarter of staleness_s
     quiet = build_app(AppArgs(admission=None))._bound_deployment.init_args[0]._bound_deployment.init_kwargs
     assert quiet["stats_push_s"] == quiet["heartbeat_s"] == 0.0
+    loud = build_app(AppArgs(admission={"quiet_when_idle": False}))._bound_deployment.init_args[0]
+    assert loud._bound_deployment.init_kwargs["heartbeat_s"] == 0.0  # pushes every stats_push_s even when idle
     on_loop = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
     assert default._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == on_loop
     assert replica._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "1", **on_loop}
