@@ -7,7 +7,8 @@ single-deployment topology and a coarser stream_interval; inter-chunk latency (I
 and, per app, interleaved request by request with a bare Serve app, the TTFT the Serve layer adds on loopback
 (HTTP TTFT minus the replica's own time to first deltas). Prefix caching is off: runs repeat the prompts.
 --haproxy adds Ray Serve's HAProxy ingress (default app and single deployment), served by a second Ray
-cluster in a subprocess (the flag is per cluster). Rounds go over every app in turn. The client is aiohttp.
+cluster in a subprocess (the flag is per cluster); --haproxy-only measures those rows alone, without the
+Serve-proxy cluster idling beside them. Rounds go over every app in turn. The client is aiohttp.
 
     python benchmarks/serving.py --num-prompts 64 --max-tokens 64
     python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
@@ -286,6 +287,8 @@ def main() -> None:
     p.add_argument("--stream-interval", type=int, default=1, help="replica: tokens per stream output (default app)")
     p.add_argument("--stream-intervals", type=int, nargs="*", default=[4], help="extra apps with these intervals")
     p.add_argument("--haproxy", action="store_true", help="also measure Ray Serve's HAProxy ingress")
+    p.add_argument("--haproxy-only", action="store_true",
+                   help="only the HAProxy rows, with no second (Serve proxy) Ray cluster idling beside them")
     p.add_argument("--apps", nargs="*", default=None, help=f"only these app prefixes ({', '.join(APPS)}, /siK/)")
     p.add_argument("--serve-haproxy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8123)
@@ -298,6 +301,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.serve_haproxy:
         return serve_haproxy(args)
+    args.haproxy |= args.haproxy_only
     prompts = workload(args.num_prompts, *args.prompt_len, seed=0)
     ttft_prompts = workload(args.ttft_reps + 2, *args.prompt_len, seed=1)
 
@@ -336,8 +340,9 @@ def main() -> None:
 
     try:
         from ray import serve
-        start_ray(args, args.port)
-        serve.run(floor_app(), name="floor", route_prefix="/floor")
+        if not args.haproxy_only:
+            start_ray(args, args.port)
+            serve.run(floor_app(), name="floor", route_prefix="/floor")
         if args.haproxy:
             try:
                 child = start_haproxy_child(args)
@@ -345,7 +350,7 @@ def main() -> None:
                 print(f"HAProxy variant not measured: {e}")
         hap = f"http://127.0.0.1:{args.port + 1}"
         for _ in range(rounds):  # one model app deployed at a time: each idle app's Ray actors cost CPU too
-            for prefix in apps_of(args):
+            for prefix in {} if args.haproxy_only else apps_of(args):
                 app = deploy_app(args, prefix)
                 measure(names[prefix], f"{url}{prefix}", f"{url}/floor/")
                 serve.delete(app)
@@ -358,7 +363,8 @@ def main() -> None:
         if child is not None:
             child.stdin.close()
             child.wait(timeout=120)
-        stop_ray(args)
+        if not args.haproxy_only:
+            stop_ray(args)
 
     print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds} rounds, one model app deployed at a time) "
           f"vs offline {off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
