@@ -92,8 +92,8 @@ class AdmissionActor:
 
 class AdmissionClient:
     """Router side: a local controller restored from the actor's snapshot every `refresh_s` in the
-    background (while the router decides nothing and no replica works, every `idle_refresh_s`; the next
-    request wakes it). `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
+    background (with `quiet_when_idle`, while the router decides nothing and no replica works, every
+    `idle_refresh_s`; the next request wakes it). `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
     snapshot (at most one per `refresh_s`) before refusing; when replicas are full, up to
     `max_queued` requests wait (FIFO, re-deciding on each refresh) up to `queue_timeout_s` for room.
     `get_actor` resolves the actor handle (again after the actor was recreated). While the actor cannot be
@@ -159,7 +159,8 @@ class AdmissionClient:
             except Exception as e:
                 log.warning("admission snapshot refresh failed: %r", e)
                 await asyncio.sleep(0.5)
-            self.quiet = self.decisions == decided and not self.queued and self.controller.idle()
+            self.quiet = (self.controller.config.quiet_when_idle and self.decisions == decided and not self.queued
+                          and self.controller.idle())
             try:
                 await asyncio.wait_for(self._wake.wait(), self.idle_refresh_s if self.quiet else self.refresh_s)
             except asyncio.TimeoutError:
@@ -168,9 +169,8 @@ class AdmissionClient:
 
     @property
     def idle_refresh_s(self) -> float:
-        """While nothing happens anywhere: a third of the staleness bound (`quiet_when_idle`)."""
-        cfg = self.controller.config
-        return max(self.refresh_s, cfg.staleness_s / 3) if cfg.quiet_when_idle else self.refresh_s
+        """While nothing happens anywhere (`quiet_when_idle`): a third of the staleness bound."""
+        return max(self.refresh_s, self.controller.config.staleness_s / 3)
 
     def start(self) -> None:
         if self._task is None:

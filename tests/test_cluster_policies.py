@@ -282,7 +282,7 @@ def test_admission_client_refreshes_reserves_and_reresolves_the_actor():
 
 
 def test_admission_client_syncs_slower_while_nothing_happens_and_wakes_on_a_request():
-    body = AdmissionActor({"staleness_s": 0.6})
+    body = AdmissionActor({"staleness_s": 0.6, "quiet_when_idle": True})
     body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
     syncs: list[float] = []
 
@@ -310,9 +310,12 @@ def test_admission_client_syncs_slower_while_nothing_happens_and_wakes_on_a_requ
         body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=8, num_running=1).to_dict(), "replica_id": "r"})
         await asyncio.sleep(0.3)
         assert not client.quiet and len(syncs) >= before + 5  # a replica at work: every refresh_s again
-        body.configure({"quiet_when_idle": False})
-        await asyncio.sleep(0.05)
-        assert client.idle_refresh_s == client.refresh_s  # the switch: idle or not, every refresh_s
+        body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
+        body.configure({"quiet_when_idle": False})  # the default: idle or not, every refresh_s
+        await asyncio.sleep(0.1)
+        before = len(syncs)
+        await asyncio.sleep(0.2)
+        assert not client.quiet and len(syncs) >= before + 5
         client._task.cancel()
 
     asyncio.run(scenario())

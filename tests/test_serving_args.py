@@ -26,11 +26,11 @@ def test_topologies_build_the_deployments_they_name() -> None:
     assert default._bound_deployment.name == "Router" and replica._bound_deployment.name == "LLMReplica"
     assert replica._bound_deployment.init_kwargs["engine_core_process"] is True
     assert replica._bound_deployment.init_kwargs["stream_interval"] == 4
-    assert replica._bound_deployment.init_kwargs["heartbeat_s"] == 0.5 / 4  # idle pushes: a quarter of staleness_s
+    assert replica._bound_deployment.init_kwargs["heartbeat_s"] == 0.0  # pushes every stats_push_s, idle or not
     quiet = build_app(AppArgs(admission=None))._bound_deployment.init_args[0]._bound_deployment.init_kwargs
     assert quiet["stats_push_s"] == quiet["heartbeat_s"] == 0.0
-    loud = build_app(AppArgs(admission={"quiet_when_idle": False}))._bound_deployment.init_args[0]
-    assert loud._bound_deployment.init_kwargs["heartbeat_s"] == 0.0  # pushes every stats_push_s even when idle
+    quiet_idle = build_app(AppArgs(admission={"quiet_when_idle": True}))._bound_deployment.init_args[0]
+    assert quiet_idle._bound_deployment.init_kwargs["heartbeat_s"] == 0.5 / 4  # idle: a quarter of staleness_s
     on_loop = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
     assert default._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == on_loop
     assert replica._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "1", **on_loop}
