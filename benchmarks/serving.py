@@ -374,7 +374,7 @@ def main() -> None:
             line += (f"  TTFT p50 {ms(load_ttft):6.1f} ms  ITL p50 {ms(gaps):5.1f} ms p99 {ms(gaps, 0.99):6.1f} ms "
                      f"(p99/p50 {ms(gaps, 0.99) / ms(gaps):.2f})")
         print(line)
-    print("CPU ms per output token by process, in the run kept above (both Ray clusters' processes counted):")
+    print("CPU ms per output token by process, in the run kept above (every Ray cluster's processes counted):")
     for (name, stream), (*_, used) in results.items():
         parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= 0.005)
         print(f"  {name:<36} {'stream' if stream else 'whole ':<6}: total {sum(used.values()):.3f} = {parts}")
