@@ -73,7 +73,7 @@ class AdmissionConfig:
     leases: bool = True  # several routers: each commits only its lease of a replica's headroom (cluster.leases)
     lease_s: float = 1.0
     # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: 277 -> 150 ms/s of idle CPU,
-    # but the routing bench's first round after idling lost hit rate in 6 of 9 runs with it, 0 of 7 without
+    # but the routing bench's first round after idling lost hit rate in 6 of 9 runs with it, 0 of 8 without
     quiet_when_idle: bool = False
 
     def __post_init__(self) -> None:

@@ -93,12 +93,13 @@ class AdmissionActor:
 class AdmissionClient:
     """Router side: a local controller restored from the actor's snapshot every `refresh_s` in the
     background (with `quiet_when_idle`, while the router decides nothing and no replica works, every
-    `idle_refresh_s`; the next request wakes it). `decide` is local; when no replica reports (startup, a stalled refresh) it fetches a
-    snapshot (at most one per `refresh_s`) before refusing; when replicas are full, up to
-    `max_queued` requests wait (FIFO, re-deciding on each refresh) up to `queue_timeout_s` for room.
-    `get_actor` resolves the actor handle (again after the actor was recreated). While the actor cannot be
-    reached and the local view is stale, `decide` fails open: it admits with no replica list (reason
-    "fail_open"), so the request router falls back to the replicas' own routing stats, and logs it."""
+    `idle_refresh_s`; the next request wakes it). `decide` is local; when no replica reports (startup, a
+    stalled refresh) it fetches a snapshot (at most one per `refresh_s`) before refusing; when replicas are
+    full, up to `max_queued` requests wait (FIFO, re-deciding on each refresh) up to `queue_timeout_s` for
+    room. `get_actor` resolves the actor handle (again after the actor was recreated). Once the router had
+    reached the actor, while the actor cannot be reached and the local view is stale, `decide` fails open:
+    it admits with no replica list (reason "fail_open"), so the request router falls back to the replicas'
+    own routing stats, and logs it."""
 
     def __init__(self, get_actor: Callable[[], Awaitable[Any]], refresh_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic):
