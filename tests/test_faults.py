@@ -158,24 +158,30 @@ def join(reqs: list[Request], timeout: float) -> None:
     assert not hung, f"{len(hung)} requests hung past {timeout}s"
 
 
+class FakeAdmissionActor:
+    """No Ray: `sync.remote` calls the actor body after a short await, counts calls, fails while not `alive[0]`."""
+
+    def __init__(self, body: AdmissionActor, alive: list[bool]) -> None:
+        self.syncs = 0
+
+        async def call(*args: Any) -> dict[str, Any]:
+            self.syncs += 1
+            await asyncio.sleep(0.01)
+            if not alive[0]:
+                raise ConnectionError("actor died")
+            return body.sync(*args)
+        self.sync = SimpleNamespace(remote=call)
+
+
 def test_admission_client_fails_open_while_the_actor_is_unreachable(caplog: pytest.LogCaptureFixture) -> None:
     """No Ray here: an actor whose calls fail. The client admits with no replica list (the request router then
     uses the replicas' own load) instead of answering 503 to everyone, logs it once, and is back on the
     actor's view as soon as a refresh succeeds."""
     body, alive = AdmissionActor(ADMISSION), [True]
+    actor = FakeAdmissionActor(body, alive)
 
-    class Actor:
-        class sync:
-            @staticmethod
-            def remote(*args: Any) -> Any:
-                async def call() -> dict[str, Any]:
-                    if not alive[0]:
-                        raise ConnectionError("actor died")
-                    return body.sync(*args)
-                return call()
-
-    async def get_actor() -> Actor:
-        return Actor()
+    async def get_actor() -> FakeAdmissionActor:
+        return actor
 
     async def scenario() -> None:
         from engine.stats import EngineStats
@@ -209,22 +215,13 @@ def test_a_router_that_never_reached_the_actor_syncs_before_deciding_instead_of_
     """A router starts before its replicas, so its first syncs fail; a burst that comes once the actor answers
     is decided on the actor's view (admitted up to the watermark, then refused), not failed open. The requests
     that find the view stale share one sync."""
-    body, alive, syncs = AdmissionActor(ADMISSION), [False], [0]
+    body, alive = AdmissionActor(ADMISSION), [False]
+    actor = FakeAdmissionActor(body, [True])
 
-    class Actor:
-        class sync:
-            @staticmethod
-            def remote(*args: Any) -> Any:
-                async def call() -> dict[str, Any]:
-                    syncs[0] += 1
-                    await asyncio.sleep(0.01)
-                    return body.sync(*args)
-                return call()
-
-    async def get_actor() -> Actor:
+    async def get_actor() -> FakeAdmissionActor:
         if not alive[0]:
             raise ConnectionError("no replica yet")
-        return Actor()
+        return actor
 
     async def scenario() -> None:
         from engine.stats import EngineStats
@@ -234,7 +231,7 @@ def test_a_router_that_never_reached_the_actor_syncs_before_deciding_instead_of_
         alive[0] = True
         body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
         decisions = await asyncio.gather(*(client.decide(2) for _ in range(8)))
-        assert syncs[0] == 1, syncs
+        assert actor.syncs == 1, actor.syncs
         assert [d.reason for d in decisions] == ["ok"] * 4 + ["no_room"] * 4, decisions
         assert all(d.replicas == ["r"] for d in decisions[:4])
 
