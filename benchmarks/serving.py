@@ -3,14 +3,14 @@
 Prints: offline tok/s with the engine core in this thread and in its own process; HTTP tok/s at saturation
 (whole responses and SSE streams; one app deployed at a time) for the default (core in its own process, token
 channel), the core in the replica's thread, streams without the token channel, gRPC handle transport, the
-single-deployment topology and a coarser stream_interval; inter-chunk latency (ITL) p50/p99 under that load;
+single-deployment topology and a finer stream_interval (1); inter-chunk latency (ITL) p50/p99 under that load;
 and, per app, interleaved request by request with a bare Serve app, the TTFT the Serve layer adds on loopback
 (HTTP TTFT minus the replica's own time to first deltas). Prefix caching is off: runs repeat the prompts.
 --haproxy adds Ray Serve's HAProxy ingress (default app and single deployment), served by a second Ray
 cluster in a subprocess (the flag is per cluster); --haproxy-only measures those rows alone, without the
 Serve-proxy cluster idling beside them. Rounds go over every app in turn. The client is aiohttp.
 
-    python benchmarks/serving.py --num-prompts 64 --max-tokens 64
+    python benchmarks/serving.py --haproxy  # 256 requests x 64 tokens, 64 in flight
     python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
 """
 import argparse
@@ -46,7 +46,8 @@ def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     # no prefix caching: every run sends the same prompts, and a warm cache would skip their prefill
     return dict(dtype="float32", enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                num_blocks=args.num_blocks, max_model_len=args.max_model_len)
+                num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
 
 
 def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_process: bool) -> tuple[float, int]:
@@ -109,12 +110,19 @@ def session(connections: int) -> aiohttp.ClientSession:
 
 
 async def http_throughput(url: str, prompts: list[list[int]], max_tokens: int, stream: bool,
-                          model: str) -> tuple[float, int, list[float], list[float]]:
+                          model: str, concurrency: int) -> tuple[float, int, list[float], list[float]]:
+    """At most `concurrency` requests in flight (a new one starts as one ends), as vLLM's --max-concurrency."""
     gaps: list[float] = []
-    async with session(len(prompts)) as client:
+    slots = asyncio.Semaphore(concurrency)
+
+    async def limited(p: list[int]) -> tuple[float | None, float, int]:
+        async with slots:
+            return await http_request(client, url, p, max_tokens, stream, model, gaps)
+
+    async with session(concurrency) as client:
         await asyncio.gather(*(http_request(client, url, p, max_tokens, stream, model) for p in prompts[:16]))
         start = time.perf_counter()
-        res = await asyncio.gather(*(http_request(client, url, p, max_tokens, stream, model, gaps) for p in prompts))
+        res = await asyncio.gather(*(limited(p) for p in prompts))
         elapsed = time.perf_counter() - start
     return elapsed, sum(t for _, _, t in res), [t for t, _, _ in res if t is not None], gaps
 
@@ -257,6 +265,7 @@ def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
            "--threads", str(args.threads), "--ray-cpus", str(args.ray_cpus),
            "--stream-interval", str(args.stream_interval), "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--num-blocks", str(args.num_blocks),
+           "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding),
            "--max-model-len", str(args.max_model_len)]
     env = {**os.environ, **haproxy_env(f"/tmp/haproxy-bench-{os.getpid()}")}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -274,18 +283,25 @@ def ms(xs: list[float], q: float = 0.5) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo:tiny")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="requests in flight over HTTP (saturation: 64 streams against 32 engine slots); offline "
+                        "gets every prompt at once")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 192))
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ttft-reps", type=int, default=30)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=256,
+                   help="EngineConfig's (0: off); 256 is what serve_config.yaml ships")
+    p.add_argument("--num-blocks", type=int, default=2048,
+                   help="room for 64 requests in flight, so that admission never refuses the benchmark")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the replica")
     p.add_argument("--ray-cpus", type=int, default=16, help="logical CPUs (several apps, most of them idle)")
-    p.add_argument("--stream-interval", type=int, default=1, help="replica: tokens per stream output (default app)")
-    p.add_argument("--stream-intervals", type=int, nargs="*", default=[4], help="extra apps with these intervals")
+    p.add_argument("--stream-interval", type=int, default=4,
+                   help="replica: tokens per stream output (default app; 4 is what the app ships)")
+    p.add_argument("--stream-intervals", type=int, nargs="*", default=[1], help="extra apps with these intervals")
     p.add_argument("--haproxy", action="store_true", help="also measure Ray Serve's HAProxy ingress")
     p.add_argument("--haproxy-only", action="store_true",
                    help="only the HAProxy rows, with no second (Serve proxy) Ray cluster idling beside them")
@@ -296,7 +312,7 @@ def main() -> None:
                    help="16 prompts x 16 tokens, 8 TTFT requests, one round, default and in-thread apps only")
     args = p.parse_args()
     if args.quick:
-        args.num_prompts, args.max_tokens, args.ttft_reps, args.stream_intervals = 16, 16, 8, []
+        args.num_prompts, args.concurrency, args.max_tokens, args.ttft_reps, args.stream_intervals = 16, 16, 16, 8, []
     rounds = 1 if args.quick else 2
     torch.set_num_threads(args.threads)
     if args.serve_haproxy:
@@ -328,7 +344,8 @@ def main() -> None:
         """Throughput (the best round kept), then the TTFT the Serve layer adds, interleaved with the bare app."""
         for stream in (False, True):
             before = cpu_by_role()
-            r = asyncio.run(http_throughput(prefix_url, prompts, args.max_tokens, stream, args.model))
+            r = asyncio.run(http_throughput(prefix_url, prompts, args.max_tokens, stream, args.model,
+                                              args.concurrency))
             after = cpu_by_role()
             used = {k: 1000 * (after[k] - before.get(k, 0.0)) / r[1] for k in after}  # ms per token
             if (name, stream) not in results or r[1] / r[0] > results[name, stream][1] / results[name, stream][0]:
@@ -356,6 +373,8 @@ def main() -> None:
                 serve.delete(app)
             if child is not None:
                 for prefix, name in (("/", "HAProxy ingress, default app"), ("/single/", "HAProxy ingress, single deployment")):
+                    if args.apps is not None and prefix not in args.apps:
+                        continue
                     haproxy_deploy(child, prefix)
                     measure(name, f"{hap}{prefix}", f"{hap}/floor/")
                 haproxy_deploy(child, "-")
@@ -366,7 +385,7 @@ def main() -> None:
         if not args.haproxy_only:
             stop_ray(args)
 
-    print(f"HTTP throughput at {args.num_prompts} concurrent requests (best of {rounds} rounds, one model app deployed at a time) "
+    print(f"HTTP throughput, {args.num_prompts} requests, at most {args.concurrency} in flight (best of {rounds} rounds, one model app deployed at a time) "
           f"vs offline {off_tps:.1f} tok/s; ITL = gaps between a stream's content chunks:")
     for (name, stream), (t, n, load_ttft, gaps, _) in results.items():
         line = f"  {name:<36} {'stream' if stream else 'whole ':<6}: {n / t:7.1f} tok/s ({100 * n / t / off_tps:5.1f}%)"

@@ -47,6 +47,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 0
+    # while any sequence decodes, a step carries at most this many prefill tokens (0: the whole budget): a step's
+    # length is what every running stream waits on, so this bounds inter-token latency at some cost in TTFT
+    max_prefill_tokens_while_decoding: int = 0
     preemption_mode: str = "recompute"
     swap_space: int = 0
     watermark: float = 0.01
@@ -85,8 +88,10 @@ class EngineConfig:
             _fail("watermark", f"must be in [0, 1), got {self.watermark}")
         if not isinstance(self.core_process_nice, int) or not 0 <= self.core_process_nice <= 19:
             _fail("core_process_nice", f"must be an integer in [0, 19], got {self.core_process_nice!r}")
-        if self.swap_space < 0 or self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 0:
-            _fail("swap_space", "long_prefill_token_threshold and max_num_partial_prefills must be >= 0")
+        for name in ("swap_space", "long_prefill_token_threshold", "max_num_partial_prefills",
+                     "max_prefill_tokens_while_decoding"):
+            if getattr(self, name) < 0:
+                _fail(name, f"must be >= 0, got {getattr(self, name)!r}")
         choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),
                    "attention_backend": ("auto", "torch", "cpu", "triton"), "device": ("auto", "cpu", "cuda"),
                    "dtype": ("auto", *DTYPES), "cpu_threads_bind": ("off", "auto")}

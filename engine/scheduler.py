@@ -33,6 +33,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.runner_batch: PersistentBatch | None = None  # the model runner's, in process: checked with the tables
         self.now = 0.0
+        self.prefill_left = 0
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -56,7 +57,7 @@ class Scheduler:
         later); a prompt that completes in this chunk is never held back, so long prompts can't block short ones."""
         cfg = self.config
         left = seq.num_tokens - seq.num_computed_tokens
-        n = min(left, budget)
+        n = min(left, budget, self.prefill_left)
         if n > 1 and cfg.long_prefill_token_threshold:
             n = min(n, cfg.long_prefill_token_threshold)
         if n < left and cfg.max_num_partial_prefills and partials >= cfg.max_num_partial_prefills:
@@ -73,6 +74,7 @@ class Scheduler:
         static = self.config.scheduling_policy == "static"
         held = [s for s in self.running if s.held_finish is not None] if static else []
         live = [s for s in self.running if s.held_finish is None] if held else list(self.running)
+        self.prefill_left = self._prefill_cap(live)
         budget, partials, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
         self.watermark.observe(preempted)
         if not preempted:
@@ -80,6 +82,12 @@ class Scheduler:
         self._schedule_running(held, out, chunks, budget, partials, may_preempt=False)
         out.chunks = list(chunks.values())
         return out
+
+    def _prefill_cap(self, live: list[Sequence]) -> int:
+        cap, budget = self.config.max_prefill_tokens_while_decoding, self.config.max_num_batched_tokens
+        if cap and cap < budget and any(len(s.token_ids) - s.num_computed_tokens == 1 for s in live):
+            return cap
+        return budget
 
     def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk],
                           budget: int, partials: int, may_preempt: bool = True) -> tuple[int, int, bool]:
@@ -102,6 +110,7 @@ class Scheduler:
                 if (dropped := chunks.pop(victim.request_id, None)) is not None:
                     victim.num_computed_tokens -= len(dropped.token_ids)
                     budget += len(dropped.token_ids)
+                    self.prefill_left += len(dropped.token_ids) if len(dropped.token_ids) > 1 else 0
                     partials -= len(dropped.token_ids) < victim.num_tokens - dropped.start
                 self._preempt(victim, out)
                 preempted = True
@@ -112,6 +121,7 @@ class Scheduler:
             partials += n < seq.num_tokens - seq.num_computed_tokens
             chunks[seq.request_id] = self._make_chunk(seq, n, ids, reset=False)
             budget -= n
+            self.prefill_left -= n if n > 1 or left > 1 else 0
         return budget, partials, preempted
 
     def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
@@ -160,6 +170,7 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(seq.request_id, seq.prompt_token_ids, seq.params, stop_ids))
             self._start(seq, chunks, n, ids)
             budget, partials = budget - n, partials + (n < seq.num_tokens - cached)
+            self.prefill_left -= n
         return budget, partials
 
     def _chunk_from(self, seq: Sequence, cached: int, budget: int, partials: int) -> int:

@@ -41,9 +41,10 @@ def test_outputs_depend_on_context(oracle) -> None:
 @pytest.mark.parametrize("options", [
     {"max_num_batched_tokens": 7},
     {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 5, "max_num_partial_prefills": 1},
+    {"max_num_batched_tokens": 64, "max_prefill_tokens_while_decoding": 7},
     {"scheduling_policy": "static", "max_num_seqs": 2},
     {"max_num_seqs": 1},
-], ids=["chunked", "long-prefill-cap", "static", "one-seq"])
+], ids=["chunked", "long-prefill-cap", "prefill-cap-while-decoding", "static", "one-seq"])
 def test_scheduling_does_not_change_outputs(oracle, options: dict) -> None:
     prompts, expected = oracle("demo:qwen3-tiny")
     got, llm = engine_greedy("demo:qwen3-tiny", prompts, MAX_TOKENS, **options)

@@ -207,6 +207,8 @@ def test_bad_engine_config_names_the_field() -> None:
     for kwargs, field in [({"block_size": 12}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
                           ({"scheduling_policy": "fifo"}, "scheduling_policy"),
                           ({"attention_backend": "cuda"}, "attention_backend"),
-                          ({"model": "demo:huge"}, "demo"), ({"max_model_len": 10 ** 6}, "max_model_len")]:
+                          ({"model": "demo:huge"}, "demo"), ({"max_model_len": 10 ** 6}, "max_model_len"),
+                          ({"max_prefill_tokens_while_decoding": -1}, "max_prefill_tokens_while_decoding"),
+                          ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)

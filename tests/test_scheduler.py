@@ -22,11 +22,11 @@ request = st.tuples(
 
 
 def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: int, max_seqs: int,
-             policy: str, caching: bool, mode: str, threshold: int) -> None:
+             policy: str, caching: bool, mode: str, threshold: int, decode_cap: int = 0) -> None:
     cfg = EngineConfig(model="demo:tiny", max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                        block_size=block_size, scheduling_policy=policy, enable_prefix_caching=caching,
                        preemption_mode=mode, long_prefill_token_threshold=threshold, hf_config=BASE.hf_config,
-                       model_path=BASE.model_path, max_model_len=2048)
+                       model_path=BASE.model_path, max_model_len=2048, max_prefill_tokens_while_decoding=decode_cap)
     kv = BlockManager(num_blocks, block_size, caching, num_swap_blocks=num_blocks // 2 if mode == "swap" else 0)
     sched = Scheduler(cfg, kv, {EOS})
     seqs, finished, runner_tables = {}, {}, {}
@@ -44,8 +44,11 @@ def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: in
                 sched.add(seq)
             if abort_at == step and arrival <= step and not seq.is_finished:
                 sched.finish(seq, "abort")
+        decoding = any(len(s.token_ids) - s.num_computed_tokens == 1 for s in sched.running if s.held_finish is None)
         so = sched.schedule()
         assert so.num_tokens <= budget
+        if decode_cap and decoding:
+            assert sum(len(c.token_ids) for c in so.chunks if len(c.token_ids) > 1) <= decode_cap
         assert len(so.chunks) <= max_seqs and len(sched.running) <= max_seqs
         for c in so.chunks:
             table = runner_tables[c.req_id] = (list(c.new_block_ids) if c.reset_blocks
@@ -77,10 +80,23 @@ def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: in
 @given(requests=st.lists(request, min_size=1, max_size=14), num_blocks=st.integers(8, 40),
        block_size=st.sampled_from([4, 8, 16]), budget=st.integers(1, 96), max_seqs=st.integers(1, 6),
        policy=st.sampled_from(["continuous", "static"]), caching=st.booleans(),
-       mode=st.sampled_from(["recompute", "swap"]), threshold=st.sampled_from([0, 0, 5]))
+       mode=st.sampled_from(["recompute", "swap"]), threshold=st.sampled_from([0, 0, 5]),
+       decode_cap=st.sampled_from([0, 0, 3, 24]))
 def test_scheduler_invariants(requests, num_blocks, block_size, budget, max_seqs, policy, caching, mode,
-                              threshold) -> None:
-    simulate(requests, num_blocks, block_size, budget, max_seqs, policy, caching, mode, threshold)
+                              threshold, decode_cap) -> None:
+    simulate(requests, num_blocks, block_size, budget, max_seqs, policy, caching, mode, threshold, decode_cap)
+
+
+def test_prefill_cap_applies_only_while_a_sequence_decodes() -> None:
+    cfg = EngineConfig(model="demo:tiny", max_num_batched_tokens=64, max_prefill_tokens_while_decoding=16)
+    idle = Scheduler(cfg, BlockManager(64, 16, False), {EOS})
+    idle.add(Sequence("a", [10] * 100, SamplingParams(max_tokens=5)))
+    assert [len(c.token_ids) for c in idle.schedule().chunks] == [64], "nothing decodes: the whole budget"
+    sched = Scheduler(cfg, BlockManager(64, 16, False), {EOS})
+    sched.add(Sequence("b", [11] * 8, SamplingParams(max_tokens=50)))
+    assert _step(sched) == ["b"] and _step(sched) == ["b"]
+    sched.add(Sequence("c", [12] * 100, SamplingParams(max_tokens=5)))
+    assert {c.req_id: len(c.token_ids) for c in sched.schedule().chunks} == {"b": 1, "c": 16}, "b decodes: c is capped"
 
 
 def test_preemption_victim_goes_back_first_and_keeps_tokens() -> None:
