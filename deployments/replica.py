@@ -13,6 +13,7 @@ from cluster.stats import ReplicaStats, push_due
 from deployments.metrics import ReplicaMetrics, wall
 from deployments.protocol import Chunk, Delta, GenerateRequest
 from deployments.responses import merge_deltas
+from deployments.serve_logs import flush_at_warning
 from deployments.token_channel import TokenOutbox
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -32,6 +33,7 @@ class LLMReplica:
     async def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
                        stream_interval: int = 1, stats_push_s: float = 0.0, engine_core_process: bool = True,
                        heartbeat_s: float = 0.0) -> None:
+        flush_at_warning()
         self.stream_interval = stream_interval
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(torch_threads or max(1, int(cpus)))

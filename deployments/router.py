@@ -23,6 +23,7 @@ from deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
 from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
+from deployments.serve_logs import flush_at_warning
 from deployments.token_channel import TokenInbox, follow
 from deployments.tool_parsers import TOOL_PARSERS
 from engine import SamplingParams
@@ -58,6 +59,7 @@ class Router:
                        admission: bool = False, block_size: int = 16, revision: str | None = None,
                        chat_template: str | None = None, tool_call_parser: str = "hermes",
                        guard: GuardConfig | None = None, token_channel: bool = True) -> None:
+        flush_at_warning()
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
         self.replica = replica
         self.inbox = TokenInbox() if token_channel else None

@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster.admission_actor import AdmissionActor, AdmissionClient
 from tests.paced_runner import RUNNER as PACED
+from tests.serve_app import TEMP_DIRS
 from tests.test_serve_e2e import ROOT, free_port, start_ray, stop_ray
 
 ENGINE = dict(model="demo:tiny", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16,
@@ -62,6 +63,11 @@ def cluster() -> Iterator[SimpleNamespace]:
     finally:
         serve.shutdown()
         stop_ray()
+
+
+def router_log() -> str:
+    logs = Path(TEMP_DIRS[-1], "session_latest", "logs", "serve").glob("replica_faults_Router_*.log")
+    return "".join(f.read_text(errors="replace") for f in logs)
 
 
 def view(http: httpx.Client) -> dict[str, Any]:
@@ -336,6 +342,8 @@ def test_killed_admission_actor_fails_open_and_comes_back(cluster: SimpleNamespa
         r = http.post("/v1/completions", json={"prompt": f"no admission {i}", "max_tokens": 4, "temperature": 0})
         codes.append(r.status_code)
     assert codes == [200] * 8, codes
+    eventually(lambda: "admitting without admission control" in router_log(), 10,
+               "the router's warning reaches its log file at once (Serve buffers the request path's logs)")
 
     def back() -> bool:
         return handle.admission.remote().result()._actor_id.hex() != old and fresh_replicas(http) == 2
