@@ -6,7 +6,8 @@ The Serve handle call still carries the request, the first chunk (TTFT path, err
 a closing item with the number of chunks sent, so a replica that dies mid-stream still fails the stream."""
 import asyncio
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 import msgspec
 import ray
@@ -18,6 +19,7 @@ from deployments.responses import merge_deltas
 
 log = logging.getLogger("ray.serve")
 MAX_QUEUED_MESSAGES = 10_000  # per router: minutes of engine steps; a router that far behind is gone
+IDLE_CLOSE_S = 60.0  # a router's socket unused this long is closed (routers come and go; a live one reconnects)
 
 
 class TokenInbox:
@@ -67,13 +69,17 @@ class TokenInbox:
 
 class TokenOutbox:
     """Replica side: chunks buffered per router address and flushed once per event-loop turn, so one engine
-    step's outputs (delivered to the loop in one call) leave as one message per router."""
+    step's outputs (delivered to the loop in one call) leave as one message per router. A router's socket
+    unused for IDLE_CLOSE_S is closed, with whatever a gone router left queued in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.ctx = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
+        self.used_at: dict[str, float] = {}
         self.pending: dict[str, list[tuple[str, Chunk]]] = {}
         self.encoder = msgspec.msgpack.Encoder()
+        self.clock = clock
+        self.swept_at = clock()
 
     def send(self, address: str, request_id: str, chunk: Chunk) -> None:
         if not self.pending:
@@ -81,12 +87,19 @@ class TokenOutbox:
         self.pending.setdefault(address, []).append((request_id, chunk))
 
     def flush(self) -> None:
-        pending, self.pending = self.pending, {}
+        pending, self.pending, now = self.pending, {}, self.clock()
         for address, items in pending.items():
+            self.used_at[address] = now
             try:
                 self._socket(address).send(self.encoder.encode(items), zmq.NOBLOCK, copy=False)
             except zmq.ZMQError as e:  # a router gone or far behind: its handle calls end by cancellation
                 log.warning("token channel to %s: %d chunks dropped (%r)", address, len(items), e)
+        if now - self.swept_at >= IDLE_CLOSE_S / 4:
+            self.swept_at = now
+            for address in [a for a, t in self.used_at.items() if now - t >= IDLE_CLOSE_S]:
+                del self.used_at[address]
+                if (socket := self.sockets.pop(address, None)) is not None:
+                    socket.close(0)
 
     def _socket(self, address: str) -> zmq.Socket:
         socket = self.sockets.get(address)

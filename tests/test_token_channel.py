@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from deployments.token_channel import TokenInbox, TokenOutbox, follow
+from deployments.token_channel import IDLE_CLOSE_S, TokenInbox, TokenOutbox, follow
 
 
 async def handle_stream(items: list[Any], delay_s: float = 0.0) -> AsyncIterator[Any]:
@@ -126,3 +126,29 @@ def test_an_unreadable_message_is_skipped() -> None:
 
     got = asyncio.run(main())
     assert [c["deltas"][0]["token_ids"] for c in got] == [[7]]
+
+
+def test_an_idle_routers_socket_is_closed_and_a_live_one_reconnects() -> None:
+    async def main() -> tuple[set, set, list[int]]:
+        now = [0.0]
+        inbox_a, inbox_b, outbox = TokenInbox(), TokenInbox(), TokenOutbox(clock=lambda: now[0])
+        qa, _ = inbox_a.open("a"), inbox_b.open("b")
+        outbox.send(inbox_a.address, "a", chunk(0))
+        outbox.send(inbox_b.address, "b", chunk(0))
+        await asyncio.sleep(0)
+        got = [(await asyncio.wait_for(qa.get(), 5))["deltas"][0]["token_ids"][0]]
+        for t, token in ((IDLE_CLOSE_S / 2, 1), (IDLE_CLOSE_S + 1, 2)):  # b stays in use, a falls idle
+            now[0] = t
+            outbox.send(inbox_b.address, "b", chunk(token))
+            await asyncio.sleep(0)
+        after_idle = set(outbox.sockets)
+        outbox.send(inbox_a.address, "a", chunk(1, last=True))
+        await asyncio.sleep(0)
+        got.append((await asyncio.wait_for(qa.get(), 5))["deltas"][0]["token_ids"][0])
+        reconnected = set(outbox.sockets)
+        inbox_a.shutdown(), inbox_b.shutdown(), outbox.shutdown()
+        return after_idle, reconnected, got
+
+    after_idle, reconnected, got = asyncio.run(main())
+    assert len(after_idle) == 1 and len(reconnected) == 2, "a's socket closed after IDLE_CLOSE_S, reopened on use"
+    assert got == [0, 1]
