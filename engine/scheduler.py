@@ -121,7 +121,8 @@ class Scheduler:
             partials += n < seq.num_tokens - seq.num_computed_tokens
             chunks[seq.request_id] = self._make_chunk(seq, n, ids, reset=False)
             budget -= n
-            self.prefill_left -= n if n > 1 or left > 1 else 0
+            if left > 1:
+                self.prefill_left -= n
         return budget, partials, preempted
 
     def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
