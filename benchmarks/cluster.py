@@ -32,7 +32,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +366,8 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     refused = [r for r in results if r["status"] == 429]
     no_retry_after = sum(1 for r in refused if not r.get("retry_after"))
     lost = len(results) - len(ok) - len(refused)
+    kinds = Counter(f"{r['status']} {r.get('code') or ''}".strip() if r["status"] != 200 else f"200 with {r['tokens']} tokens"
+                    for r in results if r not in ok and r not in refused)
     deadline, whole = time.time() + 30, False
     while time.time() < deadline and not whole:
         snap = ray.get(actor.snapshot.remote())
@@ -377,7 +379,8 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     high = snap["config"]["high_watermark"]
     print(f"| requests | 200 (complete) | 429 | 429 without Retry-After | lost | admitted TTFT p50 | admitted TTFT p99 "
           f"| pools whole after |\n|---:|---:|---:|---:|---:|---:|---:|---|\n| {len(results)} | {len(ok)} | "
-          f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost} | {pct(ttft, .5):.2f} s | "
+          f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost}{f' ({dict(kinds)})' if kinds else ''} | "
+          f"{pct(ttft, .5):.2f} s | "
           f"{pct(ttft, .99):.2f} s | {whole} |")
     router_ttft = [r["router_ttft"] for r in ok if r.get("router_ttft") is not None]
     if router_ttft and refused:
