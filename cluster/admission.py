@@ -21,7 +21,7 @@ from cluster.kv_index import KVIndex
 from cluster import placement
 from cluster.queue_time import queue_time_s, retry_after_s
 from cluster.reservations import Reservation, ReservationBook, SettleRule
-from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats
+from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats, num_blocks
 
 def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
     """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)
@@ -61,7 +61,7 @@ class AdmissionConfig:
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
-    count_output_blocks: bool = False  # KV demand includes running and admitted requests' max_tokens growth
+    count_output_blocks: bool = False  # KV demand includes running and admitted requests' likely output growth
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
@@ -206,6 +206,14 @@ class AdmissionController:
                 growth = -(-sum(e.stats.tokens_left) // bs)
         return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
 
+    def output_blocks(self, replica_id: str, max_tokens: int, num_seqs: int = 1) -> int:
+        """With `count_output_blocks`, the blocks a request's outputs are charged on the replica: each sequence's
+        likely length there (the quantile of its recent outputs, engine.output_lengths), at most max_tokens."""
+        if not self.config.count_output_blocks:
+            return 0
+        likely = self.replicas[replica_id].stats.likely_output_tokens
+        return num_seqs * num_blocks(min(max_tokens, likely) if likely else max_tokens, self.config.block_size)
+
     def reserve_blocks(self, replica_id: str) -> int:
         """Blocks kept free above the high watermark: admission commits a replica's room only up to it."""
         total = self.replicas[replica_id].stats.kv_blocks_total
@@ -289,10 +297,11 @@ class AdmissionController:
             self.hot.record(replica_id, keys, now)
 
     def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None,
-               keys: Sequence[bytes] = (), output_blocks: int = 0) -> Decision:
+               keys: Sequence[bytes] = (), output_tokens: int = 0, num_seqs: int = 1) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
-        keys, for the ranking; `output_blocks`: its max_tokens' blocks, counted with `count_output_blocks`.
+        keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged with
+        `count_output_blocks` (output_blocks).
         Admitted: the replicas with room, best first (the KV-aware router's score); with `max_queue_time_s`,
         only those whose queue time is within it, else a refusal `queue_time` whose Retry-After is when the
         shortest queue is due to be back within it."""
@@ -308,10 +317,9 @@ class AdmissionController:
         open_ = [rid for rid in fresh if not self.replicas[rid].saturated]
         if not open_:
             return Decision(False, [], retry, "saturated")
-        grow = output_blocks if self.config.count_output_blocks else 0
         cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}
-        need = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys))) + grow
-                for rid in open_}
+        need = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys)))
+                + self.output_blocks(rid, output_tokens, num_seqs) for rid in open_}
         fits = [rid for rid in open_ if self.fits(rid, need[rid])]
         if not fits:
             return Decision(False, [], retry, "no_room")

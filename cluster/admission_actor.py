@@ -178,15 +178,15 @@ class AdmissionClient:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def decide(self, num_prompt_blocks: int, largest_blocks: int | None = None,
-                     keys: Sequence[bytes] = (), num_seqs: int = 1, output_blocks: int = 0) -> Decision:
+                     keys: Sequence[bytes] = (), num_seqs: int = 1, output_tokens: int = 0) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
-        refuse; `keys`: the prompt's block keys."""
+        refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens."""
         self.decisions += 1
         if self.quiet:
             self.quiet = False
             self._wake.set()
         now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs)
         reached = self.fetched_at > float("-inf")
         if not d.admit and d.reason in ("no_replicas", "stale") and reached and self.failed_at > self.fetched_at:
             return self._fail_open(d, self.error)  # the background refresh keeps trying; requests don't wait on it
@@ -197,11 +197,11 @@ class AdmissionClient:
             except Exception as e:
                 return self._fail_open(d, e)
             now = self.clock()
-            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
+            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs)
         short = not d.admit and d.reason == "lease"
         if short:
             self.demand += d.new_blocks
-            d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_blocks)
+            d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_tokens, num_seqs)
             now = self.clock()
         cfg = self.controller.config
         if not d.admit and d.reason in ("saturated", "no_room", "lease") and self.queued < cfg.max_queued:
@@ -213,7 +213,7 @@ class AdmissionClient:
                     except asyncio.TimeoutError:
                         pass
                     now = self.clock()
-                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_blocks)
+                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs)
             finally:
                 self.queued -= 1
         if d.admit:

@@ -33,6 +33,7 @@ class ReplicaStats(KVUsage):
     num_steps: int = 0
     tokens_left: tuple[int, ...] = ()
     num_growth_blocks: int | None = None  # None: a replica that does not report it (growth from tokens_left)
+    likely_output_tokens: int = 0  # 0: not known (a request is charged its max_tokens)
     timestamp: float = 0.0
 
     @classmethod

@@ -164,8 +164,7 @@ class Router:
             return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt)
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
         keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS)
-        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n,
-                                   num_blocks(max_tokens, self.block_size) * len(prompts) * n)
+        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens)
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
             return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas,

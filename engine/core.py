@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.executor import make_executor
 from engine.kv_events import KVEvents
 from engine.messages import AddRequest, CoreOutput
+from engine.output_lengths import OutputLengths
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
@@ -43,6 +44,7 @@ class EngineCore:
         self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
         self.num_finished = self.num_aborted = self.num_added = 0
+        self.output_lengths = OutputLengths()
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
         self.step_trace = StepTrace()
 
@@ -161,6 +163,8 @@ class EngineCore:
             self.reported.pop(rid, None)
             self.num_finished += 1
             self.num_aborted += seq.finish_reason == "abort"
+            if seq.finish_reason in ("stop", "length"):
+                self.output_lengths.add(seq.num_output_tokens)
             if self._structured is not None:
                 self._structured.release(rid)
         else:
@@ -181,11 +185,17 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
-            tokens_left=sorted(q.params.max_tokens - q.num_output_tokens for q in s.running)[:64],
-            num_growth_blocks=self.growth_blocks())
+            tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],
+            num_growth_blocks=self.growth_blocks(), likely_output_tokens=self.output_lengths.typical())
+
+    def tokens_left(self, seq: Sequence) -> int:
+        """Output tokens the request likely still produces: up to its max_tokens, bounded by how long recent
+        outputs ran (engine.output_lengths)."""
+        done = seq.num_output_tokens
+        return self.output_lengths.likely_total(done, seq.params.max_tokens) - done
 
     def growth_blocks(self, every_s: float = 0.02) -> int:
-        """Blocks the running and waiting requests still allocate if each runs to its max_tokens (a waiting
+        """Blocks the running and waiting requests still allocate at their likely output lengths (a waiting
         prompt's own blocks are in num_waiting_tokens). Stats go out every step, and the count costs ~0.14 ms
         at 256 running requests, so while the same requests run it is recounted at most every `every_s` (its
         readers poll every 100 ms); a request that starts, waits or leaves recounts it at once."""
@@ -196,7 +206,7 @@ class EngineCore:
         kv, limit = self.block_manager, self.config.max_model_len
 
         def final(q: Sequence) -> int:
-            return kv.blocks_for(min(limit, q.num_tokens + q.params.max_tokens - q.num_output_tokens))
+            return kv.blocks_for(min(limit, q.num_tokens + self.tokens_left(q)))
         growth = (sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in s.running)
                   + sum(final(q) - kv.blocks_for(q.num_tokens)
                         for q in [*s.waiting, *(q for q, _ in self.compiling.values())]))

@@ -43,8 +43,9 @@ class EngineStats(KVUsage):
     num_prefill_tokens: int = 0  # cumulative tokens computed that sampled nothing (prompt, recompute)
     num_decode_tokens: int = 0  # cumulative tokens sampled
     num_steps: int = 0
-    tokens_left: list[int] = field(default_factory=list)  # running requests' max_tokens left, ascending, <= 64
-    num_growth_blocks: int = 0  # blocks running and waiting requests still take if they reach max_tokens
+    tokens_left: list[int] = field(default_factory=list)  # running requests' likely tokens left, ascending, <= 64
+    num_growth_blocks: int = 0  # blocks running and waiting requests still take at their likely output lengths
+    likely_output_tokens: int = 0  # a new request's likely output length (0: too few finished to say)
     iteration_tokens_sum: int = 0
     iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)

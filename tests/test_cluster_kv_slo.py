@@ -309,10 +309,42 @@ def test_count_output_blocks_charges_max_tokens_growth():
     for c in (on, off):  # 2 running with 30 + 50 tokens left: 5 more blocks at 16 tokens each
         c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
     assert off.room("a") == 40 and on.room("a") == 35
-    assert off.decide(10, 0.0, output_blocks=30).admit and not on.decide(10, 0.0, output_blocks=30).admit
-    d = on.decide(10, 0.0, output_blocks=15)  # 35 room less 10 kept above the 0.90 high watermark
+    assert off.decide(10, 0.0, output_tokens=480).admit and not on.decide(10, 0.0, output_tokens=480).admit
+    d = on.decide(10, 0.0, output_tokens=240)  # 35 room less 10 kept above the 0.90 high watermark
     assert d.admit and d.new_blocks == 25
-    assert not on.decide(10, 0.0, output_blocks=16).admit
+    assert not on.decide(10, 0.0, output_tokens=241).admit
+    assert not on.decide(10, 0.0, output_tokens=120, num_seqs=2).admit  # 2 sequences of 8 blocks each
+
+
+def test_count_output_blocks_charges_the_likely_output_not_an_unset_max_tokens():
+    """A client that leaves max_tokens unset asks for the rest of the context (2048 - prompt here): charged that,
+    one request takes a whole replica. Once the replica reports how long outputs run, it is charged that instead,
+    and never more than its own max_tokens."""
+    c = AdmissionController(AdmissionConfig(count_output_blocks=True))
+    c.update(ReplicaStats.from_dict(stats("a", free=60, running=1)), 0.0)
+    assert c.decide(2, 0.0, output_tokens=2000).reason == "no_room"
+    c.update(ReplicaStats.from_dict({**stats("a", free=60, running=1, ts=0.1), "likely_output_tokens": 150}), 0.1)
+    d = c.decide(2, 0.1, output_tokens=2000)
+    assert d.admit and d.new_blocks == 2 + 10
+    assert c.decide(2, 0.1, output_tokens=20).new_blocks == 2 + 2
+
+
+def test_output_lengths_quantile_of_the_longer_recent_outputs():
+    from engine.output_lengths import OutputLengths
+    lengths = OutputLengths(window=20, quantile=0.9, min_samples=10)
+    for n in range(1, 10):
+        lengths.add(n * 10)
+    assert lengths.typical() == 0 and lengths.likely_total(0, 500) == 500  # too few to say
+    lengths.add(100)  # 10, 20, ..., 100
+    assert lengths.typical() == 90
+    assert lengths.likely_total(0, 500) == 90 and lengths.likely_total(0, 40) == 40
+    assert lengths.likely_total(75, 500) == 100  # of those longer than 75: 80, 90, 100
+    assert lengths.likely_total(100, 500) == 500  # longer than all seen: charged in full
+    for _ in range(20):
+        lengths.add(5)  # the window forgets the old lengths
+    assert sorted(lengths.recent) == lengths.sorted == [5] * 20 and lengths.typical() == 5
+    with pytest.raises(ValueError):
+        OutputLengths(quantile=0.0)
 
 
 def test_admission_commits_room_only_up_to_the_high_watermark():
@@ -347,6 +379,26 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     while engine.has_unfinished_requests():
         engine.step()
     assert core.growth_blocks(every_s=1e9) == 0  # ...but not once they leave: no phantom growth on an idle replica
+
+
+def test_engine_bounds_growth_by_how_long_outputs_run():
+    """Requests that ask for 200 tokens but stop at 12 (max_tokens here stands for a stop): once 16 have finished,
+    a new one's growth and tokens_left count 12 tokens, not 200, and the replica reports 12 as a new request's
+    likely length. A request that outlives every finished one is charged its max_tokens again."""
+    from engine import LLM, SamplingParams
+    llm = LLM("demo:tiny", dtype="float32", num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
+    llm.generate([{"prompt_token_ids": [5 + i] * 20} for i in range(16)], SamplingParams(max_tokens=12, ignore_eos=True))
+    core = llm.engine.core.core
+    assert core.stats().likely_output_tokens == 12
+    engine = llm.engine
+    engine.add_request("long", list(range(5, 25)), SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    s = engine.stats()
+    assert s.tokens_left == [12 - 1] and s.num_growth_blocks == math.ceil(32 / 16) - 2  # 20 + 12 in 2 blocks
+    for _ in range(12):
+        engine.step()
+    s = engine.stats()
+    assert s.tokens_left == [200 - 13] and s.num_growth_blocks == math.ceil(220 / 16) - s.kv_blocks_used
 
 
 def test_reservations_settle_on_arrival_when_the_replica_counts_them():
