@@ -2,15 +2,18 @@
 // with w packed once into column panels so that a row of x is broadcast against 16 outputs per instruction.
 // float32: panel [K][16]; bfloat16: panel [K / 2][16][2], pairs of k for vdpbf16ps (AVX512-BF16), which adds
 // both products of a pair to the float32 sum. Each thread takes blocks of 32 outputs; a block's weights
-// (K x 32) are read from memory once and reused from L2 by every group of up to 12 rows of x.
+// (K x 32) are read from memory once and reused from L2 by every group of up to gemm_max_mr<T> rows of x.
 #pragma once
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t PANEL = 16;
-constexpr int GEMM_COLS = 2;  // panels per block: 12 x 2 accumulators + 2 weight vectors + a broadcast
-constexpr int GEMM_MAX_MR = 12;
+constexpr int GEMM_COLS = 2;  // panels per block: MR x 2 accumulators + 2 weight vectors + a broadcast
+// Rows per tile. float32 also keeps a chunk's partial sums (below), 2 x MR x 2 registers of 32: at 10-12 rows it
+// ran 9-12% slower than at 8 for 20-24 rows (demo:small's shapes, Zen 4, alternated builds); bfloat16 was equal.
+template <typename T> constexpr int gemm_max_mr = 12;
+template <> constexpr int gemm_max_mr<float> = 8;
 
 inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
 inline __m512i bcast_pair(const bf16* p, bool whole) {
@@ -99,7 +102,7 @@ void gemm_block(const T* x, int64_t K, const T* wp, Ahead& ahead, const T* bias,
 template <typename T, int MR = 1>
 void gemm_rows(int64_t rows, const T* x, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
                int64_t n0) {
-  if constexpr (MR < GEMM_MAX_MR) {
+  if constexpr (MR < gemm_max_mr<T>) {
     if (rows != MR) return gemm_rows<T, MR + 1>(rows, x, K, wp, ahead, bias, y, N, n0);
   }
   gemm_block<T, MR>(x, K, wp, ahead, bias, y, N, n0);
@@ -131,9 +134,9 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::opt
               "gemm_packed: bias must be [N] of x's dtype");
   auto y = torch::empty({x.size(0), N}, x.options());
   const int64_t rows = x.size(0), blocks = panels / GEMM_COLS;
-  const int64_t groups = (rows + GEMM_MAX_MR - 1) / GEMM_MAX_MR;
   dispatch(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
+    const int64_t groups = (rows + gemm_max_mr<T> - 1) / gemm_max_mr<T>;
     const T* xp = x.data_ptr<T>();
     const T* w = wp.data_ptr<T>();
     const T* b = bias ? bias->data_ptr<T>() : nullptr;
@@ -141,7 +144,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::opt
     const int64_t panel = wp.size(1) * wp.size(2);
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk)
-        for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // rows split evenly: 32 -> 10, 11, 11
+        for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // rows split evenly: float32 20 -> 6, 7, 7
           const int64_t mr = (rows - m0) / (groups - g);
           const T* wb = w + blk * GEMM_COLS * panel;
           Ahead ahead(wb + GEMM_COLS * panel, panel * sizeof(T), panel * sizeof(T) / 64, g, groups);
