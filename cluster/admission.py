@@ -61,7 +61,7 @@ class AdmissionConfig:
     block_size: int = BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
-    count_output_blocks: bool = False  # KV demand includes running and admitted requests' likely output growth
+    count_output_blocks: bool = True  # KV demand includes running and admitted requests' likely output growth
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
@@ -208,7 +208,8 @@ class AdmissionController:
 
     def output_blocks(self, replica_id: str, max_tokens: int, num_seqs: int = 1) -> int:
         """With `count_output_blocks`, the blocks a request's outputs are charged on the replica: each sequence's
-        likely length there (the quantile of its recent outputs, engine.output_lengths), at most max_tokens."""
+        likely length there (the quantile of its recent outputs, or its prior while cold: engine.output_lengths),
+        at most max_tokens; max_tokens from a replica that does not report one."""
         if not self.config.count_output_blocks:
             return 0
         likely = self.replicas[replica_id].stats.likely_output_tokens

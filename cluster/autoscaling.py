@@ -1,6 +1,11 @@
-"""Replica autoscaling on KV-cache utilisation (and waiting queue), as a Ray Serve 2.60 policy.
+"""Replica autoscaling on KV-cache demand (and waiting queue), as a Ray Serve 2.60 policy.
 
-desired = ceil(n * mean_utilisation / target) outside a dead band of +-tolerance around the target,
+Demand is what a replica's KV cache is committed to: blocks held, the waiting prompts' blocks and the likely
+growth of what runs and waits (EngineStats.kv_demand). Admission charges that growth (count_output_blocks) and
+fills a replica only to its high watermark of demand, so the blocks in use alone stay well below it (~0.5 of the
+cache on tests/test_cluster_e2e.py's load, where demand reads ~0.8) and would never call for a new replica.
+
+desired = ceil(n * mean_demand / target) outside a dead band of +-tolerance around the target,
 raised to ceil(n * mean_waiting / target_waiting_per_replica) when queues are long; a direction
 must persist for its delay before it is taken; min/max bound the result. n = replicas that
 reported metrics; while replicas are still starting (n < current) it never scales down.
@@ -19,12 +24,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from cluster.stats import ReplicaStats
-
 if TYPE_CHECKING:
     from engine.stats import EngineStats
 
-UTILIZATION_METRIC = "kv_cache_utilization"
+DEMAND_METRIC = "kv_demand"
 WAITING_METRIC = "num_waiting"
 
 
@@ -46,9 +49,9 @@ class KVScalingConfig:
         assert 0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"
 
 
-def autoscaling_metrics(stats: "EngineStats | ReplicaStats") -> dict[str, float]:
+def autoscaling_metrics(stats: "EngineStats") -> dict[str, float]:
     """What a replica's `record_autoscaling_stats` returns."""
-    return {UTILIZATION_METRIC: float(stats.kv_cache_utilization), WAITING_METRIC: float(stats.num_waiting)}
+    return {DEMAND_METRIC: float(stats.kv_demand), WAITING_METRIC: float(stats.num_waiting)}
 
 
 def _after_delay(state: dict[str, Any], key: str, other: str, delay_s: float, now: float) -> bool:
@@ -93,7 +96,7 @@ class KVCacheAutoscalingPolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         metrics = ctx.aggregated_metrics or {}
-        util = metrics.get(UTILIZATION_METRIC, {})
+        util = metrics.get(DEMAND_METRIC, {})
         wait = metrics.get(WAITING_METRIC, {})
         running = list(ctx.running_replicas)
         cfg = replace(self.config, min_replicas=ctx.capacity_adjusted_min_replicas,

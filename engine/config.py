@@ -63,6 +63,9 @@ class EngineConfig:
     # added to the core process's niceness (engine_core_process=True only): where the engine's threads fill every
     # core, the front end (detokenising, HTTP, routing) still gets a core at once when it wakes
     core_process_nice: int = 10
+    # a new request's likely output length until 16 requests have finished (engine/output_lengths.py): on a cold
+    # replica, admission's count_output_blocks charges a request min(max_tokens, this), not an unset max_tokens
+    cold_output_tokens: int = 256
     seed: int = 0
     model_runner_cls: str = "engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
@@ -89,7 +92,7 @@ class EngineConfig:
         if not isinstance(self.core_process_nice, int) or not 0 <= self.core_process_nice <= 19:
             _fail("core_process_nice", f"must be an integer in [0, 19], got {self.core_process_nice!r}")
         for name in ("swap_space", "long_prefill_token_threshold", "max_num_partial_prefills",
-                     "max_prefill_tokens_while_decoding"):
+                     "max_prefill_tokens_while_decoding", "cold_output_tokens"):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)!r}")
         choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),

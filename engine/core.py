@@ -44,7 +44,7 @@ class EngineCore:
         self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
         self.num_finished = self.num_aborted = self.num_added = 0
-        self.output_lengths = OutputLengths()
+        self.output_lengths = OutputLengths(prior=config.cold_output_tokens)
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
         self.step_trace = StepTrace()
 
@@ -175,10 +175,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.block_manager
+        waiting_tokens = (sum(q.num_tokens - q.num_computed_tokens for q in s.waiting)
+                          + sum(q.num_tokens for q, _ in self.compiling.values()))
+        growth = self.growth_blocks()
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting) + len(self.compiling),
-            num_waiting_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting)
-            + sum(q.num_tokens for q, _ in self.compiling.values()),
+            num_waiting_tokens=waiting_tokens,
+            kv_blocks_demand=kv.num_blocks - kv.num_free_blocks + kv.blocks_for(waiting_tokens) + growth,
             num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_finished=self.num_finished, num_aborted=self.num_aborted, num_added=self.num_added,
@@ -186,7 +189,7 @@ class EngineCore:
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
             tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],
-            num_growth_blocks=self.growth_blocks(), likely_output_tokens=self.output_lengths.typical())
+            num_growth_blocks=growth, likely_output_tokens=self.output_lengths.typical())
 
     def tokens_left(self, seq: Sequence) -> int:
         """Output tokens the request likely still produces: up to its max_tokens, bounded by how long recent

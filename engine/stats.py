@@ -45,8 +45,18 @@ class EngineStats(KVUsage):
     num_steps: int = 0
     tokens_left: list[int] = field(default_factory=list)  # running requests' likely tokens left, ascending, <= 64
     num_growth_blocks: int = 0  # blocks running and waiting requests still take at their likely output lengths
-    likely_output_tokens: int = 0  # a new request's likely output length (0: too few finished to say)
+    likely_output_tokens: int = 0  # a new request's likely output length (0: not known)
+    kv_blocks_demand: int = 0  # blocks held, the waiting prompts' and num_growth_blocks: what the replica committed to
     iteration_tokens_sum: int = 0
     iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)
+
+    @property
+    def kv_demand(self) -> float:
+        """KV blocks committed / the cache (may pass 1): with admission charging outputs, replicas are held near the
+        high watermark of demand while their used blocks stay lower, so autoscaling reads this."""
+        return self.kv_blocks_demand / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "kv_demand": self.kv_demand}
 

@@ -306,7 +306,7 @@ def test_lease_shares_split_evenly_and_by_demand_within_headroom():
 
 def test_count_output_blocks_charges_max_tokens_growth():
     on = AdmissionController(AdmissionConfig(count_output_blocks=True))
-    off = AdmissionController()
+    off = AdmissionController(AdmissionConfig(count_output_blocks=False))
     for c in (on, off):  # 2 running with 30 + 50 tokens left: 5 more blocks at 16 tokens each
         c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
     assert off.room("a") == 40 and on.room("a") == 35
@@ -346,6 +346,27 @@ def test_output_lengths_quantile_of_the_longer_recent_outputs():
     assert sorted(lengths.recent) == lengths.sorted == [5] * 20 and lengths.typical() == 5
     with pytest.raises(ValueError):
         OutputLengths(quantile=0.0)
+    cold = OutputLengths(min_samples=10, prior=64)  # before 10 have finished: the prior, at most max_tokens
+    assert cold.typical() == 64 and cold.likely_total(0, 500) == 64 and cold.likely_total(0, 40) == 40
+    assert cold.likely_total(64, 500) == 500  # outlived the prior: charged in full
+
+
+def test_a_cold_replica_expects_its_prior_not_an_unset_max_tokens():
+    """Before 16 requests have finished, a request that asks for the rest of the context is expected to run
+    EngineConfig.cold_output_tokens (256), and the replica reports that as a new request's likely length, so
+    count_output_blocks charges 16 blocks, not 125; cold_output_tokens 0 charges max_tokens as before."""
+    from engine import LLM, SamplingParams
+    for prior, likely, left in ((256, 256, 255), (0, 0, 1999)):
+        llm = LLM("demo:tiny", dtype="float32", num_blocks=256, block_size=16, max_num_batched_tokens=512,
+                  cold_output_tokens=prior)
+        llm.engine.add_request("r", list(range(5, 25)), SamplingParams(max_tokens=2000, ignore_eos=True))
+        llm.engine.step()
+        s = llm.engine.stats()
+        assert (s.likely_output_tokens, s.tokens_left) == (likely, [left])
+        c = AdmissionController(AdmissionConfig(count_output_blocks=True))
+        c.update(ReplicaStats.from_engine("r", s), 0.0)
+        assert c.output_blocks("r", 2000) == (16 if prior else 125)
+        llm.shutdown()
 
 
 def test_admission_commits_room_only_up_to_the_high_watermark():
@@ -372,6 +393,7 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     running = math.ceil((20 + 30) / 16) - 2  # 4 blocks at max_tokens, 2 held
     waiting = math.ceil((40 + 100) / 16) - math.ceil(40 / 16)  # its prompt's 3 blocks are in num_waiting_tokens
     assert s.num_growth_blocks == running + waiting == 2 + 6
+    assert s.kv_blocks_demand == s.kv_blocks_used + math.ceil(s.num_waiting_tokens / 16) + 8  # autoscaling's metric
     c = AdmissionController(AdmissionConfig(count_output_blocks=True))
     c.update(ReplicaStats.from_engine("r", s), 0.0)
     assert c.room("r") == s.kv_blocks_free - math.ceil(s.num_waiting_tokens / 16) - 8

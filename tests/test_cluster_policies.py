@@ -532,8 +532,9 @@ def test_autoscaling_bounds_waiting_and_starting():
 
 
 def test_autoscaling_metrics_from_stats():
-    m = autoscaling_metrics(EngineStats(num_waiting=3, kv_blocks_total=10, kv_blocks_free=4))
-    assert m == {"kv_cache_utilization": pytest.approx(0.6), "num_waiting": 3.0}
+    """Autoscaling reads the blocks committed (held, waiting prompts', likely growth), not only those held."""
+    m = autoscaling_metrics(EngineStats(num_waiting=3, kv_blocks_total=10, kv_blocks_free=4, kv_blocks_demand=8))
+    assert m == {"kv_demand": pytest.approx(0.8), "num_waiting": 3.0}
     assert all(isinstance(v, float) for v in m.values())
 
 
@@ -584,7 +585,7 @@ def test_serve_config_yaml_builds_policy_and_router():
             deployment_id=None, deployment_name="LLMReplica", app_name="conveyor",
             current_num_replicas=len(ids), target_num_replicas=len(ids), running_replicas=ids,
             total_num_requests=1.0, total_queued_requests=0.0,
-            aggregated_metrics={"kv_cache_utilization": dict(zip(ids, util)), "num_waiting": dict.fromkeys(ids, 0.0)},
+            aggregated_metrics={"kv_demand": dict(zip(ids, util)), "num_waiting": dict.fromkeys(ids, 0.0)},
             raw_metrics={}, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=state,
             last_scale_up_time=None, last_scale_down_time=None, current_time=t, config=autoscaling)
 

@@ -53,11 +53,11 @@ def test_disconnect_aborts_and_frees(conveyor_app: App, stage: str, stream: bool
     app = conveyor_app
     base = app.pool_whole()
     blocker = None
-    if stage == "admission":  # 1 + 31 of the 48 blocks promised: the 1 + 19 that the target needs do not fit
-        for _ in range(3):
+    if stage == "admission":  # once the blocker holds 13 of the 48 blocks, the target's 31 cannot fit below the
+        for _ in range(3):    # 0.9 watermark, however admission estimates the outputs
             blocker = send(app, ids(16), 490, True)
-            until(app, lambda s: s["num_running"] == 1, "started the blocker")
-            target = send(app, ids(16), 300, stream)
+            until(app, lambda s: s["num_decode_tokens"] >= base["num_decode_tokens"] + 200, "decoded 200 tokens")
+            target = send(app, ids(480), 16, stream)
             assert wait_for(lambda: app.admission_queued() == 1, 30), "the target was not queued by admission"
             drop(target)
             assert wait_for(lambda: app.admission_queued() == 0, 30), "the dropped request stayed in the admission queue"
