@@ -22,7 +22,7 @@ from engine import EngineConfig
 
 
 class KVAutoscaling(BaseModel):
-    """Replica autoscaling on KV-cache utilisation: Ray's autoscaling_config around
+    """Replica autoscaling on KV-cache demand (EngineStats.kv_demand): Ray's autoscaling_config around
     cluster.autoscaling:KVCacheAutoscalingPolicy, whose own delays replace Ray's (set to 0)."""
 
     model_config = ConfigDict(extra="forbid")
