@@ -23,7 +23,9 @@ class Option:
 
 
 def evicted_hot_blocks(o: Option, new_blocks: int, hot_fraction: float) -> int:
-    return min(o.hot_blocks, max(0, o.hot_blocks + new_blocks - int(hot_fraction * o.capacity_blocks)))
+    """Hot blocks the new ones push out: no more than there are new blocks (hot blocks beyond the capacity, e.g.
+    from a burst of one-off prompts, were pushed out by their own successors, not by this placement)."""
+    return min(o.hot_blocks, new_blocks, max(0, o.hot_blocks + new_blocks - int(hot_fraction * o.capacity_blocks)))
 
 
 def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float = 0.6) -> float:
@@ -34,10 +36,17 @@ def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float =
     return o.wait_s + (new + evicted_hot_blocks(o, new, hot_fraction)) * block_size / o.prefill_tokens_per_s
 
 
+def hot_share(o: Option, hot_fraction: float) -> float:
+    """The share of the hot capacity that hot blocks fill, at most 1: past it every new block evicts a hot one
+    wherever it goes, so the count beyond (e.g. a burst of one-off prompts) tells replicas apart no more."""
+    capacity = max(1, int(hot_fraction * o.capacity_blocks))
+    return min(o.hot_blocks, capacity) / capacity
+
+
 def rank(options: Sequence[Option], prompt_blocks: int, block_size: int, hot_fraction: float = 0.6) -> list[str]:
     """Replica ids, cheapest first; ties by the blocks held (no second copy of a prefix for nothing), then
-    (a prompt no replica holds, queues alike) by the share of the cache hot blocks fill, so new prefixes
-    spread by capacity before they evict anything, then by load."""
+    (a prompt no replica holds, queues alike) by the share of the hot capacity that hot blocks fill, so new
+    prefixes spread by capacity before they evict anything, then by load."""
     return [o.replica_id for o in sorted(options, key=lambda o: (
-        cost_s(o, prompt_blocks, block_size, hot_fraction), -o.cached_blocks,
-        o.hot_blocks / max(1, o.capacity_blocks), o.load, o.replica_id))]
+        cost_s(o, prompt_blocks, block_size, hot_fraction), -o.cached_blocks, hot_share(o, hot_fraction),
+        o.load, o.replica_id))]

@@ -93,6 +93,26 @@ def test_cold_prompts_alternate_between_replicas_by_hot_share():
     assert sorted(firsts) == ["a", "a", "b", "b"]
 
 
+def test_replicas_past_their_hot_capacity_take_new_prefixes_by_load():
+    # 32 one-off prompts (a warm-up burst) were sent 20 to a, 12 to b: both past 0.6 x 200 hot blocks, so a new
+    # prefix evicts hot blocks on either; the hot counts beyond the capacity no longer steer it, load does
+    a = Option("a", 0, 0.0, 1000.0, hot_blocks=20 * 36, capacity_blocks=200, load=0)
+    b = Option("b", 0, 0.0, 1000.0, hot_blocks=12 * 36, capacity_blocks=200, load=2)
+    assert cost_s(a, 35, 16) == cost_s(b, 35, 16) == 2 * 35 * 16 / 1000
+    assert rank([a, b], 35, 16) == ["a", "b"]
+    c = controller()
+    for i in range(32):
+        keys = block_hashes([1000 + i] * (36 * 16), 16)
+        c.hot.record("a" if i < 20 else "b", keys, 0.1)
+    firsts = []
+    for p in range(8):  # 8 new system prompts right after: half each (before the fix: all 8 to b)
+        keys = block_hashes([p + 1] * (35 * 16), 16)
+        d = c.decide(35, 0.2, keys=keys)
+        c.reserve(d.replicas[0], d.new_blocks, 0.2, keys=keys)
+        firsts.append(d.replicas[0])
+    assert sorted(firsts) == ["a"] * 4 + ["b"] * 4
+
+
 def test_waiting_queue_demand_is_scaled_by_the_measured_miss_ratio():
     prev = stats("a", running=2, queries=0, hits=0, ts=0.0)
     cur = stats("a", running=2, busy=1.0, prefill=1000, queries=4000, hits=3000, ts=1.0)
