@@ -409,6 +409,5 @@ class Chunk(TypedDict, total=False):
     emitted_at: float
     ingress_s: float
     metrics: list[dict[str, Any]]
-    channel: bool  # the first chunk of a stream whose later chunks come over the token channel
-    last: bool  # the token channel's final chunk of a stream
-    sent: int  # the handle stream's closing item after channel chunks: how many were sent
+    last: bool  # a request's final chunk
+    sent: int  # the handle call's result for a stream sent over the token channel: how many chunks

@@ -40,6 +40,10 @@ app.add_middleware(HTTPGuard)
 app.add_middleware(ResponseCounter)
 
 
+async def one(call: Any) -> AsyncIterator[Chunk]:
+    yield await call
+
+
 def cause(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
 
@@ -185,22 +189,20 @@ class Router:
                        retry_after_s=d.retry_after_s)
 
     async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
-        """The replica's chunks: the first over the handle stream, the rest over the token channel when the
-        replica opened it (streams only), else over the handle stream too."""
-        channel = self.inbox is not None and gen_req.stream
-        if channel:
-            gen_req.reply_to = self.inbox.address
-            queue = self.inbox.open(gen_req.request_id)
-        gen = self.streaming.generate.remote(gen_req, routing_hint=hint, received_at=received_at)
+        """The replica's chunks: with the token channel, one handle call whose stream's chunks come over the
+        channel (a whole response is the call's result); without it, a handle stream."""
+        if self.inbox is None:
+            call = chunks = self.streaming.generate.remote(gen_req, routing_hint=hint, received_at=received_at)
+        else:
+            if gen_req.stream:
+                gen_req.reply_to = self.inbox.address
+                queue = self.inbox.open(gen_req.request_id)
+            call = self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
+            chunks = follow(call, queue) if gen_req.stream else one(call)
         done = False
-        self.drain.track(gen)
+        self.drain.track(call)
         try:
-            first = await anext(gen, None)
-            if first is not None:
-                self._observe(first)
-                yield first
-            rest = follow(gen, queue) if first is not None and first.get("channel") else gen
-            async for chunk in rest:
+            async for chunk in chunks:
                 self._observe(chunk)
                 yield chunk
             done = True
@@ -209,11 +211,11 @@ class Router:
                 raise self.drain.timeout_error() from None
             raise
         finally:
-            if channel:
+            if gen_req.reply_to is not None:
                 self.inbox.close(gen_req.request_id)
-            self.drain.untrack(gen)
+            self.drain.untrack(call)
             if not done:
-                gen.cancel()
+                call.cancel()
 
     def _observe(self, chunk: Chunk) -> None:
         if "ingress_s" in chunk:

@@ -1,13 +1,14 @@
-"""The token channel: a stream's chunks after its first go from the replica to the router over ZeroMQ, one
-message per router per engine step, instead of one Ray streaming item per request per step (measured: Ray's
-per-item cost on both sides was most of the router's and the replica's CPU with 64 streams on 2 cores).
+"""The token channel: a stream's chunks go from the replica to the router over ZeroMQ, one message per router
+per engine step, instead of one Ray streaming item per request per step (measured: Ray's per-item cost on
+both sides was most of the router's and the replica's CPU with 64 streams on 2 cores).
 
-The Serve handle call still carries the request, the first chunk (TTFT path, errors, cancellation, drain) and
-a closing item with the number of chunks sent, so a replica that dies mid-stream still fails the stream."""
+The Serve handle call (one call, no handle stream) still carries the request and returns the number of chunks
+sent or the replica's error, so a replica that dies mid-stream fails the stream; cancelling the call cancels
+the request (client gone, drain)."""
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 import ray
@@ -116,12 +117,12 @@ class TokenOutbox:
         self.ctx.term()
 
 
-async def follow(gen: Any, queue: asyncio.Queue, tail_timeout_s: float = 10.0) -> Any:
-    """The chunks of a channel stream after its first, up to the one marked `last`, while the handle stream
-    `gen` is watched: its error ends the stream; its closing item says how many chunks were sent, so chunks
-    lost in transit end the stream with an error instead of a hang. Chunks that queued up while the reader
-    was busy leave merged, as one chunk (one SSE write instead of several behind each other)."""
-    watcher = asyncio.get_running_loop().create_task(_watch(gen, queue))
+async def follow(call: Awaitable[Any], queue: asyncio.Queue, tail_timeout_s: float = 10.0) -> Any:
+    """A channel stream's chunks up to the one marked `last`, while the handle call is watched: its error ends
+    the stream; its result says how many chunks were sent, so chunks lost in transit end the stream with an
+    error instead of a hang. Chunks that queued up while the reader was busy leave merged, as one chunk (one
+    SSE write instead of several behind each other)."""
+    watcher = asyncio.get_running_loop().create_task(_watch(call, queue))
     received, sent, complete, held = 0, None, False, None
     try:
         while True:
@@ -145,7 +146,7 @@ async def follow(gen: Any, queue: asyncio.Queue, tail_timeout_s: float = 10.0) -
                 item, held, received = {**held, "deltas": merge_deltas(item["deltas"] + held["deltas"])}, None, received + 1
             yield item
             if item.get("last"):
-                complete = True  # the watcher reads the closing item; cancelling it would cancel the request
+                complete = True  # the watcher awaits the call's result; cancelling it would cancel the request
                 return
     except asyncio.TimeoutError:
         raise RuntimeError(f"token channel: {sent - received} of the replica's {sent} chunks did not arrive") from None
@@ -154,10 +155,9 @@ async def follow(gen: Any, queue: asyncio.Queue, tail_timeout_s: float = 10.0) -
             watcher.cancel()
 
 
-async def _watch(gen: Any, queue: asyncio.Queue) -> None:
+async def _watch(call: Awaitable[Any], queue: asyncio.Queue) -> None:
     try:
-        async for item in gen:
-            queue.put_nowait(item)
+        queue.put_nowait(await call)
     except asyncio.CancelledError:
         raise
     except BaseException as e:

@@ -1,21 +1,20 @@
 """The token channel between replica and router (deployments/token_channel.py) over real ZeroMQ sockets:
-one message per event-loop turn per router, chunks in order per request, the handle stream's closing item
+one message per event-loop turn per router, chunks in order per request, the handle call's result
 and errors. The end-to-end streams of tests/test_serve_e2e.py run over it too (it is on by default)."""
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
 from deployments.token_channel import IDLE_CLOSE_S, TokenInbox, TokenOutbox, follow
 
 
-async def handle_stream(items: list[Any], delay_s: float = 0.0) -> AsyncIterator[Any]:
-    """Stands in for the Serve handle stream after its first chunk: its closing item or its error."""
+async def handle_call(result: Any, delay_s: float = 0.0) -> Any:
+    """Stands in for the Serve handle call: its result (the number of chunks sent) or its error."""
     await asyncio.sleep(delay_s)
-    for item in items:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def chunk(i: int, last: bool = False) -> dict[str, Any]:
@@ -33,8 +32,8 @@ def test_one_message_per_loop_turn_and_chunks_in_order() -> None:
             assert len(outbox.pending[inbox.address]) == 2
             await asyncio.sleep(0)
             assert not outbox.pending
-        got_a = [c async for c in follow(handle_stream([{"sent": 5}]), qa)]
-        got_b = [c async for c in follow(handle_stream([{"sent": 5}]), qb)]
+        got_a = [c async for c in follow(handle_call({"sent": 5}), qa)]
+        got_b = [c async for c in follow(handle_call({"sent": 5}), qb)]
         messages = inbox.messages
         inbox.shutdown(), outbox.shutdown()
         return got_a, got_b, messages
@@ -47,13 +46,13 @@ def test_one_message_per_loop_turn_and_chunks_in_order() -> None:
     assert got_a[-1]["last"] and not any(c["last"] for c in got_a[:-1])
 
 
-def test_handle_stream_error_ends_the_stream() -> None:
+def test_handle_call_error_ends_the_stream() -> None:
     async def main() -> list:
         inbox, outbox = TokenInbox(), TokenOutbox()
         queue, got = inbox.open("a"), []
         outbox.send(inbox.address, "a", chunk(0))
         with pytest.raises(RuntimeError, match="replica died"):
-            async for c in follow(handle_stream([RuntimeError("replica died")], delay_s=0.2), queue):
+            async for c in follow(handle_call(RuntimeError("replica died"), delay_s=0.2), queue):
                 got.append(c)
         inbox.shutdown(), outbox.shutdown()
         return got
@@ -66,7 +65,7 @@ def test_chunks_lost_in_transit_end_the_stream_with_an_error() -> None:
         inbox = TokenInbox()
         queue, got = inbox.open("a"), []
         with pytest.raises(RuntimeError, match="2 of the replica's 2 chunks did not arrive"):
-            async for c in follow(handle_stream([{"sent": 2}]), queue, tail_timeout_s=0.2):
+            async for c in follow(handle_call({"sent": 2}), queue, tail_timeout_s=0.2):
                 got.append(c)
         inbox.shutdown()
         return got
@@ -82,7 +81,7 @@ def test_closed_request_drops_late_chunks() -> None:
         outbox.send(inbox.address, "a", chunk(0))
         b = inbox.open("b")
         outbox.send(inbox.address, "b", chunk(1, last=True))
-        got = [c async for c in follow(handle_stream([{"sent": 1}]), b)]
+        got = [c async for c in follow(handle_call({"sent": 1}), b)]
         inbox.shutdown(), outbox.shutdown()
         return queue.qsize() + 10 * len(got)
 
@@ -98,7 +97,7 @@ def test_a_backlog_leaves_as_one_merged_chunk() -> None:
             await asyncio.sleep(0)
         while queue.qsize() < 4:
             await asyncio.sleep(0.01)
-        got = [c async for c in follow(handle_stream([{"sent": 4}]), queue)]
+        got = [c async for c in follow(handle_call({"sent": 4}), queue)]
         inbox.shutdown(), outbox.shutdown()
         return got
 
@@ -119,7 +118,7 @@ def test_an_unreadable_message_is_skipped() -> None:
         rogue.send(b"\x93\x01\x02\x03")  # msgpack, but not a list of (request id, chunk) pairs
         outbox = TokenOutbox()
         outbox.send(inbox.address, "a", chunk(7, last=True))
-        got = [c async for c in follow(handle_stream([{"sent": 1}]), queue)]
+        got = [c async for c in follow(handle_call({"sent": 1}), queue)]
         rogue.close(0)
         inbox.shutdown(), outbox.shutdown()
         return got
