@@ -229,6 +229,7 @@ def routing(url: str, args: argparse.Namespace) -> None:
     warm = [rand_tokens(rng, args.system_len + rng.randint(*args.user_len)) for _ in range(args.warmup)]
     for app in names:  # a fresh replica's first requests pay one-off costs: they went to whichever app ran first
         asyncio.run(closed_loop(url, f"/{app}", warm, args.max_tokens, args.concurrency))
+    time.sleep(args.warmup_pause_s)
     res: dict[str, list[dict[str, Any]]] = {app: [] for app in names}
     rounds = [make_round(args, seed=r) for r in range(args.rounds)]
     for rnd, prompts in enumerate(rounds):
@@ -422,6 +423,7 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=224, help="per replica; about half the system prompts fit")
     p.add_argument("--apps", default="kv,p2c", help="routing: which routers to run (kv, p2c)")
     p.add_argument("--warmup", type=int, default=32, help="routing: unmeasured requests per app first")
+    p.add_argument("--warmup-pause-s", type=float, default=0.0, help="routing: seconds between warm-up and round 0")
     p.add_argument("--router", default="{}", help="KV-aware router kwargs (RouterConfig fields), JSON")
     p.add_argument("--engine", default="{}", help="EngineConfig fields for every app, JSON")
     p.add_argument("--admission", default="{}", help="AdmissionConfig fields for every app, JSON")
