@@ -63,6 +63,9 @@ class EngineConfig:
     # added to the core process's niceness (engine_core_process=True only): where the engine's threads fill every
     # core, the front end (detokenising, HTTP, routing) still gets a core at once when it wakes
     core_process_nice: int = 10
+    # and on Linux under SCHED_IDLE: a waking front-end thread preempts it at once, which niceness alone cannot
+    # promise under Ray (its workers start at niceness 15, so the core sits at 19: a CPU weight of 15 to their 36)
+    core_process_idle: bool = True
     # a new request's likely output length until 16 requests have finished (engine/output_lengths.py): on a cold
     # replica, admission's count_output_blocks charges a request min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256

@@ -35,6 +35,8 @@ def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[in
         from engine.heap import freeze_startup_heap
         config = EngineConfig(**options)
         os.nice(config.core_process_nice)
+        if config.core_process_idle and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         core = EngineCore(config, eos_token_ids)
         freeze_startup_heap()
         outputs.send(codec.encode(CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks,

@@ -36,6 +36,7 @@ def test_core_process_greedy_matches_transformers(llm_mp: LLM) -> None:
 def test_core_process_yields_the_cpu_to_its_front_end(llm_mp: LLM) -> None:
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, llm_mp.engine.core.core_pid) == min(19, mine + 10)
+    assert os.sched_getscheduler(llm_mp.engine.core.core_pid) == os.SCHED_IDLE
     with pytest.raises(ValueError, match="core_process_nice"):
         EngineConfig(model=MODEL, core_process_nice=20)
 
