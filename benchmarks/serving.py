@@ -47,7 +47,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     # no prefix caching: every run sends the same prompts, and a warm cache would skip their prefill
     return dict(dtype="float32", enable_prefix_caching=False, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
+                max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding, **json.loads(args.engine))
 
 
 def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_process: bool) -> tuple[float, int]:
@@ -298,6 +298,7 @@ def main() -> None:
                    help="room for 64 requests in flight, so that admission never refuses the benchmark")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the replica")
+    p.add_argument("--engine", default="{}", help="more EngineConfig fields, offline and in every app, JSON")
     p.add_argument("--ray-cpus", type=int, default=16, help="logical CPUs (several apps, most of them idle)")
     p.add_argument("--stream-interval", type=int, default=4,
                    help="replica: tokens per stream output (default app; 4 is what the app ships)")
