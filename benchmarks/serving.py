@@ -266,7 +266,7 @@ def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
            "--stream-interval", str(args.stream_interval), "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--num-blocks", str(args.num_blocks),
            "--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding),
-           "--max-model-len", str(args.max_model_len)]
+           "--max-model-len", str(args.max_model_len), "--engine", args.engine]
     env = {**os.environ, **haproxy_env(f"/tmp/haproxy-bench-{os.getpid()}")}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()

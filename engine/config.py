@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.core_priority import PRIORITIES
 from engine.layers.rotary import check_rope
 from engine.model_source import resolve_model
 from engine.models.llama import ARCHITECTURES
@@ -60,12 +61,9 @@ class EngineConfig:
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed activations for reuse (engine/host_memory.py)
     cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
-    # added to the core process's niceness (engine_core_process=True only): where the engine's threads fill every
-    # core, the front end (detokenising, HTTP, routing) still gets a core at once when it wakes
-    core_process_nice: int = 10
-    # and on Linux under SCHED_IDLE: a waking front-end thread preempts it at once, which niceness alone cannot
-    # promise under Ray (its workers start at niceness 15, so the core sits at 19: a CPU weight of 15 to their 36)
-    core_process_idle: bool = True
+    # the core process's CPU priority against its front end (engine_core_process=True only; engine/core_priority.py):
+    # "high" (niceness 0), "low" (SCHED_IDLE), "auto": high while the node's cores leave a CPU to the rest
+    core_process_priority: str = "auto"
     # a new request's likely output length until 16 requests have finished (engine/output_lengths.py): on a cold
     # replica, admission's count_output_blocks charges a request min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256
@@ -92,8 +90,8 @@ class EngineConfig:
             _fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.watermark < 1:
             _fail("watermark", f"must be in [0, 1), got {self.watermark}")
-        if not isinstance(self.core_process_nice, int) or not 0 <= self.core_process_nice <= 19:
-            _fail("core_process_nice", f"must be an integer in [0, 19], got {self.core_process_nice!r}")
+        if self.core_process_priority not in PRIORITIES:
+            _fail("core_process_priority", f"must be one of {', '.join(PRIORITIES)}, got {self.core_process_priority!r}")
         for name in ("swap_space", "long_prefill_token_threshold", "max_num_partial_prefills",
                      "max_prefill_tokens_while_decoding", "cold_output_tokens"):
             if getattr(self, name) < 0:

@@ -6,10 +6,12 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
 import zmq
 
+from engine.core_priority import REFRESH_S, CorePriority
 from engine.messages import (AddRequest, Codec, CoreFailed, CoreOutput, CoreOutputs, CoreReady, FinishRequests,
                              Shutdown, params_from_wire)
 
@@ -23,27 +25,31 @@ def die_with_parent() -> None:
         pass
 
 
-def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[int], parent_pid: int) -> None:
+def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[int], parent_pid: int,
+               threads: int = 1) -> None:
     ctx = zmq.Context(1)
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(in_addr)
     outputs.connect(out_addr)
-    codec = Codec()
+    codec, priority = Codec(), None
     try:
         from engine.config import EngineConfig
         from engine.core import EngineCore
         from engine.heap import freeze_startup_heap
         config = EngineConfig(**options)
-        os.nice(config.core_process_nice)
-        if config.core_process_idle and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         core = EngineCore(config, eos_token_ids)
+        priority = CorePriority(config.core_process_priority, threads)
+        priority.refresh()  # after the model: torch's threads exist
+        refreshed_at = time.monotonic()
         freeze_startup_heap()
         outputs.send(codec.encode(CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks,
                                             os.getpid(), core.stats())))
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         while True:
+            if time.monotonic() - refreshed_at >= REFRESH_S:
+                priority.refresh()
+                refreshed_at = time.monotonic()
             if not core.has_unfinished and not poller.poll(IDLE_POLL_MS):
                 if os.getppid() != parent_pid:
                     return
@@ -75,6 +81,8 @@ def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[in
             pass
         raise
     finally:
+        if priority is not None:
+            priority.close()
         outputs.close(linger=1000)
         inputs.close(linger=0)
         ctx.term()
@@ -86,7 +94,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(int(threads))
     config = json.loads(config_json)
-    serve_core(in_addr, out_addr, config["options"], set(config["eos_token_ids"]), int(parent_pid))
+    serve_core(in_addr, out_addr, config["options"], set(config["eos_token_ids"]), int(parent_pid), int(threads))
 
 
 if __name__ == "__main__":

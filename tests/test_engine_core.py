@@ -4,12 +4,15 @@ fails its requests only (both modes); stream_interval batching."""
 import asyncio
 import os
 import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.async_engine import RequestFailed
 from engine.core_client import EngineCoreDied
+from engine.core_priority import CorePriority
 from tests.faulty_runner import MARK, RUNNER
 from tests.helpers import hf_greedy, prompt_ids
 
@@ -18,7 +21,7 @@ MODEL = "demo:llama-tiny"
 
 @pytest.fixture(scope="module")
 def llm_mp() -> LLM:
-    llm = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=128)
+    llm = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=128, core_process_priority="low")
     yield llm
     llm.shutdown()
 
@@ -33,12 +36,39 @@ def test_core_process_greedy_matches_transformers(llm_mp: LLM) -> None:
     assert not hasattr(llm_mp.engine, "scheduler"), "the core's parts live in the other process"
 
 
-def test_core_process_yields_the_cpu_to_its_front_end(llm_mp: LLM) -> None:
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    assert os.getpriority(os.PRIO_PROCESS, llm_mp.engine.core.core_pid) == min(19, mine + 10)
-    assert os.sched_getscheduler(llm_mp.engine.core.core_pid) == os.SCHED_IDLE
-    with pytest.raises(ValueError, match="core_process_nice"):
-        EngineConfig(model=MODEL, core_process_nice=20)
+def test_core_process_priority_low_yields_the_cpu_high_outranks_ray_workers(llm_mp: LLM) -> None:
+    assert all(os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in os.listdir(f"/proc/{llm_mp.engine.core.core_pid}/task"))
+    with pytest.raises(ValueError, match="core_process_priority"):
+        EngineConfig(model=MODEL, core_process_priority="idle")
+    pid = os.fork()
+    if pid == 0:  # a front end at Ray's worker niceness (15): its "high" core asks for niceness 0
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 15)
+            llm = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=32, core_process_priority="high")
+            tasks = os.listdir(f"/proc/{llm.engine.core.core_pid}/task")
+            nices = {os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks}
+            other = all(os.sched_getscheduler(int(t)) == os.SCHED_OTHER for t in tasks)
+            allowed = os.geteuid() == 0  # lowering niceness needs CAP_SYS_NICE; without it the core keeps 15
+            llm.shutdown()
+            os._exit(0 if other and nices == ({0} if allowed else {15}) else 1)
+        except BaseException:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_auto_priority_is_high_while_the_node_cores_leave_a_cpu(tmp_path: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    me = CorePriority("auto", max(1, cpus - 1), tmp_path)
+    assert me.spare_cpus() == cpus - max(1, cpus - 1) and me.decide() == ("high" if cpus > 1 else "low")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / str(dead.pid)).write_text("64")  # a core that died without removing its file
+    assert me.decide() == ("high" if cpus > 1 else "low") and not (tmp_path / str(dead.pid)).exists()
+    (tmp_path / str(os.getppid())).write_text("1")  # a second live core on the node
+    assert me.spare_cpus() == cpus - max(1, cpus - 1) - 1 and me.decide() == "low"
+    assert CorePriority("high", cpus, tmp_path).decide() == "high"
+    me.close()
+    assert not (tmp_path / str(os.getpid())).exists()
 
 
 def test_core_process_stop_strings_n_and_logprobs_like_in_process(llm_mp: LLM) -> None:
