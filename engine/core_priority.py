@@ -18,6 +18,9 @@ REFRESH_S = 2.0
 
 
 def registry_dir() -> Path:
+    """CONVEYOR_CORE_REGISTRY, or one directory per user in /dev/shm (the node's cores see each other)."""
+    if os.environ.get("CONVEYOR_CORE_REGISTRY"):
+        return Path(os.environ["CONVEYOR_CORE_REGISTRY"])
     root = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     return root / f"conveyor-cores-{os.getuid()}"
 

@@ -5,14 +5,17 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
+import torch
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.async_engine import RequestFailed
 from engine.core_client import EngineCoreDied
-from engine.core_priority import CorePriority
+from engine.core_priority import REFRESH_S, CorePriority
 from tests.faulty_runner import MARK, RUNNER
 from tests.helpers import hf_greedy, prompt_ids
 
@@ -54,6 +57,41 @@ def test_core_process_priority_low_yields_the_cpu_high_outranks_ray_workers(llm_
         except BaseException:
             os._exit(2)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def _policies(pid: int) -> set[tuple[int, int]]:
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return {(os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t))) for t in tasks}
+
+
+def test_auto_priority_follows_the_cores_on_the_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core whose threads leave a CPU runs as an ordinary process; a second core that fills the last CPU
+    turns both to SCHED_IDLE within REFRESH_S, and its exit turns the first back."""
+    cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    assert cpus >= 2, "this test needs two CPUs"
+    monkeypatch.setenv("CONVEYOR_CORE_REGISTRY", str(tmp_path))  # this module's other cores are not counted
+    try:
+        torch.set_num_threads(cpus - 1)
+        a = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=32)
+        torch.set_num_threads(1)
+        assert _until(lambda: {p for p, _ in _policies(a.engine.core.core_pid)} == {os.SCHED_OTHER})
+        b = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=32)
+        both = (a.engine.core.core_pid, b.engine.core.core_pid)
+        assert _until(lambda: all({p for p, _ in _policies(pid)} == {os.SCHED_IDLE} for pid in both))
+        b.shutdown()
+        assert _until(lambda: {p for p, _ in _policies(a.engine.core.core_pid)} == {os.SCHED_OTHER})
+        a.shutdown()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 3 * REFRESH_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_auto_priority_is_high_while_the_node_cores_leave_a_cpu(tmp_path: Path) -> None:
