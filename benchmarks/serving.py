@@ -280,7 +280,7 @@ def ms(xs: list[float], q: float = 0.5) -> float:
     return 1000 * statistics.quantiles(xs, n=100)[int(q * 100) - 1] if len(xs) > 1 else 1000 * xs[0]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo:tiny")
     p.add_argument("--num-prompts", type=int, default=256)
@@ -311,7 +311,11 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--quick", action="store_true",
                    help="16 prompts x 16 tokens, 8 TTFT requests, one round, default and in-thread apps only")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.quick:
         args.num_prompts, args.concurrency, args.max_tokens, args.ttft_reps, args.stream_intervals = 16, 16, 16, 8, []
     rounds = 1 if args.quick else 2
