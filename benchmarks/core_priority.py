@@ -18,7 +18,8 @@ from benchmarks import serving
 
 
 def newest(key: str) -> int:
-    procs = [p for p in psutil.process_iter(["pid", "cmdline", "create_time"]) if key in " ".join(p.info["cmdline"] or [])]
+    procs = [p for p in psutil.process_iter(["pid", "cmdline", "create_time"])
+             if key in " ".join(p.info["cmdline"] or [])]
     return max(procs, key=lambda p: p.info["create_time"]).info["pid"]
 
 
@@ -77,13 +78,15 @@ def main() -> None:
                 d = [b - a for a, b in zip(t0, t1)]
                 per_token = {k: 1000 * (v - roles0.get(k, 0.0)) / tokens for k, v in roles1.items()}
                 results[setting].append(tokens / elapsed)
-                print(f"rep {rep} {setting:>5}: {tokens / elapsed:7.1f} tok/s  idle CPU {100 * (d[3] + d[4]) / sum(d):4.1f}%  "
+                idle = 100 * (d[3] + d[4]) / sum(d)
+                print(f"rep {rep} {setting:>5}: {tokens / elapsed:7.1f} tok/s  idle CPU {idle:4.1f}%  "
                       f"ITL p50 {serving.ms(gaps):.1f} p99 {serving.ms(gaps, 0.99):.1f} ms  CPU ms/token core "
                       f"{per_token.get('core', 0):.3f} router {per_token.get('router', 0):.3f} replica "
                       f"{per_token.get('replica', 0):.3f} all {sum(per_token.values()):.3f}  TTFT overhead "
                       f"{serving.ms(ttft['app']) - serving.ms(ttft['bare Serve app']):+.2f} ms", flush=True)
         for setting, runs in results.items():
-            print(f"{setting:>5}: " + " / ".join(f"{r:.1f}" for r in runs) + f" tok/s, mean {sum(runs) / len(runs):.1f}")
+            mean = sum(runs) / len(runs)
+            print(f"{setting:>5}: " + " / ".join(f"{r:.1f}" for r in runs) + f" tok/s, mean {mean:.1f}")
     finally:
         child.stdin.close()
         child.wait(timeout=120)

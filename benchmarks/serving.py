@@ -292,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-reps", type=int, default=30)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=256,
-                   help="EngineConfig's (0: off); 256 is what serve_config.yaml ships")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=96,
+                   help="EngineConfig's (0: off); 96 is what serve_config.yaml ships")
     p.add_argument("--num-blocks", type=int, default=2048,
                    help="room for 64 requests in flight, so that admission never refuses the benchmark")
     p.add_argument("--max-model-len", type=int, default=1024)

@@ -91,7 +91,7 @@ class EngineConfig:
         if not 0 <= self.watermark < 1:
             _fail("watermark", f"must be in [0, 1), got {self.watermark}")
         if self.core_process_priority not in PRIORITIES:
-            _fail("core_process_priority", f"must be one of {', '.join(PRIORITIES)}, got {self.core_process_priority!r}")
+            _fail("core_process_priority", f"must be one of {PRIORITIES}, got {self.core_process_priority!r}")
         for name in ("swap_space", "long_prefill_token_threshold", "max_num_partial_prefills",
                      "max_prefill_tokens_while_decoding", "cold_output_tokens"):
             if getattr(self, name) < 0:
