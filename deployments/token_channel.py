@@ -121,7 +121,8 @@ async def follow(call: Awaitable[Any], queue: asyncio.Queue, tail_timeout_s: flo
     """A channel stream's chunks up to the one marked `last`, while the handle call is watched: its error ends
     the stream; its result says how many chunks were sent, so chunks lost in transit end the stream with an
     error instead of a hang. Chunks that queued up while the reader was busy leave merged, as one chunk (one
-    SSE write instead of several behind each other)."""
+    SSE write instead of several behind each other) that keeps the first's keys (its TTFT split) and takes the
+    later ones' (emission time, `last`, stats)."""
     watcher = asyncio.get_running_loop().create_task(_watch(call, queue))
     received, sent, complete, held = 0, None, False, None
     try:
@@ -143,7 +144,8 @@ async def follow(call: Awaitable[Any], queue: asyncio.Queue, tail_timeout_s: flo
                 held = queue.get_nowait()
                 if isinstance(held, BaseException) or "sent" in held:
                     break
-                item, held, received = {**held, "deltas": merge_deltas(item["deltas"] + held["deltas"])}, None, received + 1
+                merged = {**item, **held, "deltas": merge_deltas(item["deltas"] + held["deltas"])}  # keeps first_s
+                item, held, received = merged, None, received + 1
             yield item
             if item.get("last"):
                 complete = True  # the watcher awaits the call's result; cancelling it would cancel the request

@@ -88,12 +88,13 @@ def test_closed_request_drops_late_chunks() -> None:
     assert asyncio.run(main()) == 10
 
 
-def test_a_backlog_leaves_as_one_merged_chunk() -> None:
+def test_a_backlog_leaves_as_one_merged_chunk_with_the_firsts_ttft_split() -> None:
     async def main() -> list:
         inbox, outbox = TokenInbox(), TokenOutbox()
         queue = inbox.open("a")
         for step in range(4):
-            outbox.send(inbox.address, "a", chunk(step, last=step == 3))
+            first = {"first_s": 0.01, "ingress_s": 0.002, "replica": "r"} if step == 0 else {}
+            outbox.send(inbox.address, "a", {**chunk(step, last=step == 3), **first, "emitted_at": float(step)})
             await asyncio.sleep(0)
         while queue.qsize() < 4:
             await asyncio.sleep(0.01)
@@ -102,7 +103,8 @@ def test_a_backlog_leaves_as_one_merged_chunk() -> None:
         return got
 
     got = asyncio.run(main())
-    assert len(got) == 1 and got[0]["last"]
+    assert len(got) == 1 and got[0]["last"] and got[0]["emitted_at"] == 3.0
+    assert (got[0]["first_s"], got[0]["ingress_s"], got[0]["replica"]) == (0.01, 0.002, "r")  # the first's TTFT split
     assert got[0]["deltas"] == [{"index": 0, "text": "t0t1t2t3", "token_ids": [0, 1, 2, 3],
                                  "logprobs": [{0: -0.5}, {1: -0.5}, {2: -0.5}, {3: -0.5}], "finish_reason": "length"}]
 
