@@ -40,7 +40,7 @@ class CorePriority:
     re-decides "auto" as cores come and go (call it every REFRESH_S or so)."""
 
     def __init__(self, priority: str, threads: int, directory: Path | None = None) -> None:
-        self.priority, self.threads = priority, threads
+        self.priority = priority
         self.dir = directory or registry_dir()
         self.file = self.dir / str(os.getpid())
         self.applied: str | None = None
