@@ -1,4 +1,8 @@
-"""Pure-torch paged attention: the CPU path of the engine and the oracle of the Triton kernels.
+"""Pure-torch paged attention: the oracle of the C++ and Triton kernels and the fallback of the engine.
+
+Every step shape is valid input, empty ones included (no decodes, no prefills, no sampled rows). Scores,
+softmax and the weighted sum of values are computed in float32 whatever the q and cache dtypes, as
+FlashAttention and vLLM accumulate; the output is cast back to q's dtype.
 
 Layouts (shared with kernels/triton_*.py):
   q             [num_tokens, num_heads, head_dim]            packed, no padding
@@ -35,6 +39,8 @@ def _attend(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
             max_seq_len: int, scale: float) -> torch.Tensor:
     """qp: [B, max_q, h, d] padded queries -> [B, max_q, h, d]."""
+    if qp.numel() == 0 or max_seq_len == 0:
+        return torch.zeros_like(qp)
     block_size = k_cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
     k = _gather(k_cache, block_tables, num_blocks)
@@ -43,9 +49,8 @@ def _attend(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qp.shape[1], device=qp.device)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos < seq_lens[:, None])[:, None, :]
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.to(qp.dtype), v.to(qp.dtype), attn_mask=mask[:, None],
-        scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
+        qp.transpose(1, 2).float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).to(qp.dtype)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -53,7 +58,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, max_seq_len: int | None = None) -> torch.Tensor:
     """One query per sequence: q [B, h, d] -> [B, h, d]."""
     if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
+        max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     ones = torch.ones_like(seq_lens)
     return _attend(q[:, None], k_cache, v_cache, block_tables, seq_lens, ones,
                    max_seq_len, scale)[:, 0]
@@ -65,7 +70,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_seq_len: int | None = None) -> torch.Tensor:
     """Variable-length new tokens over cached context: q [T, h, d] -> [T, h, d]."""
     if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
+        max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     num_seqs = seq_lens.shape[0]
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)

@@ -30,6 +30,39 @@ def pool_whole(request: pytest.FixtureRequest) -> Iterator[None]:
     assert_pool_whole(app)
 
 
+def backends_line() -> str:
+    from kernels import cpu_ops
+    lib = cpu_ops.load()
+    isa = getattr(cpu_ops, "isa", lambda: "built" if lib is not None else None)()
+    cpp = f"cpu (C++ kernels, {isa})" if lib is not None else "cpu unavailable (the C++ kernels cannot be built here)"
+    triton = "triton (CUDA)" if torch.cuda.is_available() else "triton (interpreter)"
+    return f"CPU capability {torch.backends.cpu.get_cpu_capability()}; backends: torch (reference), {cpp}, {triton}"
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"conveyor: {backends_line()}"]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Names the ISA and the backends this run exercised, with tests/test_backend_matrix.py's outcomes per
+    backend (shown under -q too)."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            if "test_backend_matrix" not in nodeid or "[" not in nodeid:
+                continue
+            backend = next((b for b in ("torch", "cpu", "triton") if b in nodeid.split("[")[1].rstrip("]").split("-")), "?")
+            counts.setdefault(backend, {}).setdefault(outcome, 0)
+            counts[backend][outcome] += 1
+    if not counts:
+        return
+    terminalreporter.write_sep("-", "attention backends")
+    terminalreporter.write_line(backends_line())
+    for backend, c in sorted(counts.items()):
+        terminalreporter.write_line(f"backend matrix, {backend}: " + ", ".join(f"{n} {o}" for o, n in sorted(c.items())))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules on the shared app run one after another, so it starts once per session."""
     shared = [i for i in items if SHARED in i.fixturenames]
