@@ -21,6 +21,9 @@ from deployments.tool_parsers import TOOL_PARSERS
 from engine import EngineConfig
 
 
+CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")
+
+
 class KVAutoscaling(BaseModel):
     """Replica autoscaling on KV-cache demand (EngineStats.kv_demand): Ray's autoscaling_config around
     cluster.autoscaling:KVCacheAutoscalingPolicy, whose own delays replace Ray's (set to 0)."""
@@ -107,8 +110,9 @@ class AppArgs(BaseModel):
             raise ValueError(message if re.match(r"(model|revision):", message) else f"model: {message}") from None
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})")
-        if self.chat_template is not None and "{" not in self.chat_template and not Path(self.chat_template).is_file():
-            raise ValueError(f"chat_template: {self.chat_template!r} is neither a template nor a file")
+        if self.chat_template is not None and "{" not in self.chat_template and self.template_file() is None:
+            raise ValueError(f"chat_template: {self.chat_template!r} is neither a template, a file, nor one of the "
+                             f"shipped templates ({', '.join(sorted(p.stem for p in CHAT_TEMPLATES.glob('*.jinja')))})")
         if self.autoscaling is not None and self.kv_autoscaling is not None:
             raise ValueError("autoscaling: set autoscaling or kv_autoscaling, not both")
         if self.kv_autoscaling is not None:
@@ -126,10 +130,18 @@ class AppArgs(BaseModel):
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
 
-    def template_text(self) -> str | None:
-        """chat_template: a file path or the template itself (vLLM's --chat-template)."""
+    def template_file(self) -> Path | None:
+        """chat_template as a file: the name of a template shipped in deployments/chat_templates, or a path."""
         t = self.chat_template
-        return Path(t).read_text() if t is not None and "{" not in t and Path(t).is_file() else t
+        if t is None or "{" in t:
+            return None
+        shipped = CHAT_TEMPLATES / f"{t}.jinja"
+        return shipped if shipped.is_file() else Path(t) if Path(t).is_file() else None
+
+    def template_text(self) -> str | None:
+        """chat_template: a shipped template's name, a file path, or the template itself (vLLM's --chat-template)."""
+        path = self.template_file()
+        return path.read_text() if path is not None else self.chat_template
 
     @property
     def block_size(self) -> int:

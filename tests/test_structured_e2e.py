@@ -1,5 +1,5 @@
 """Structured outputs and tool calling end to end: real Ray Serve, loopback HTTP, the real openai client, and the
-trained demo:smollm2 model served with a chat template that renders tools."""
+trained demo:smollm2 model served with serve_config.yaml's chat template, which renders tools."""
 import json
 import re
 from pathlib import Path
@@ -9,6 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import yaml
 from pydantic import BaseModel
 from ray import serve
 
@@ -46,9 +47,10 @@ def server() -> Iterator[App]:
     start_ray()
     port = free_port()
     try:
+        shipped = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+        assert shipped["model"] == MODEL
         deploy({"model": MODEL, "engine": ENGINE, "num_replicas": 1, "replica_num_cpus": 0.5, "router_num_cpus": 0.5,
-                "torch_threads": 1, "port": port,
-                "chat_template": str(ROOT / "deployments/chat_templates/chatml_tools.jinja")})
+                "torch_threads": 1, "port": port, "chat_template": shipped["chat_template"]})  # the default's template
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 300)
         app = app_at(url, timeout=120)
