@@ -21,12 +21,15 @@ from cluster.kv_index import KVIndex
 from cluster import placement
 from cluster.queue_time import queue_time_s, retry_after_s
 from cluster.reservations import Reservation, ReservationBook, SettleRule
-from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats, num_blocks
+from cluster.score import replica_score
+from cluster.stats import Rates, ReplicaStats, num_blocks
+from cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
+from engine.stats import DEFAULT_BLOCK_SIZE, cdiv
 
 def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
     """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)
     times the measured prefix-cache miss ratio."""
-    return math.ceil(stats.num_waiting_tokens * rates.miss_ratio / block_size)
+    return num_blocks(math.ceil(stats.num_waiting_tokens * rates.miss_ratio), block_size)
 
 
 def demand(stats: ReplicaStats, rates: Rates, block_size: int) -> float:
@@ -37,19 +40,9 @@ def demand(stats: ReplicaStats, rates: Rates, block_size: int) -> float:
 
 
 @dataclass(frozen=True)
-class Watermarks:
-    high: float = 0.90
-    low: float = 0.75
-
-    def saturated(self, was_saturated: bool, pressure: float) -> bool:
-        """Stop above `high`; once stopped, resume only below `low`."""
-        return pressure >= self.low if was_saturated else pressure > self.high
-
-
-@dataclass(frozen=True)
 class AdmissionConfig:
-    high_watermark: float = 0.90
-    low_watermark: float = 0.75
+    high_watermark: float = HIGH_WATERMARK
+    low_watermark: float = LOW_WATERMARK
     staleness_s: float = 0.5
     drop_after_s: float = 10.0
     retry_after_s: float = 1.0
@@ -58,7 +51,7 @@ class AdmissionConfig:
     arrival_credit_s: float = 0.5  # an arrival counted before its reservation reached the actor settles it later
     queue_timeout_s: float = 0.0
     max_queued: int = 0
-    block_size: int = BLOCK_SIZE
+    block_size: int = DEFAULT_BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
     count_output_blocks: bool = True  # KV demand includes running and admitted requests' likely output growth
@@ -203,7 +196,7 @@ class AdmissionController:
         if self.config.count_output_blocks:
             growth = e.stats.num_growth_blocks
             if growth is None:
-                growth = -(-sum(e.stats.tokens_left) // bs)
+                growth = cdiv(sum(e.stats.tokens_left), bs)
         return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
 
     def output_blocks(self, replica_id: str, max_tokens: int, num_seqs: int = 1) -> int:
@@ -274,8 +267,7 @@ class AdmissionController:
         cfg, e = self.config, self.replicas[replica_id]
         affinity = (cached or 0) / len(keys) if keys else 0.0
         load = e.stats.num_running + e.stats.num_waiting + self.reserved(replica_id)[1]
-        headroom = min(1.0, max(0.0, 1.0 - self.pressure(replica_id)))
-        return cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
+        return replica_score(cfg, affinity, self.pressure(replica_id), load)
 
     def idle(self) -> bool:
         """No replica runs or queues a request, and no reservation is outstanding."""
@@ -370,7 +362,7 @@ class AdmissionController:
             wait = self.queue_time(rid)
             rows.append({**e.stats.to_dict(), "age_s": max(0.0, now - e.received_at),
                          "saturated": e.saturated, "fresh": self.fresh(e, now), "admitting": self.open(e, now),
-                         "room_blocks": self.room(rid), "pressure": e.stats.pressure(self.config.block_size),
+                         "room_blocks": self.room(rid), "pressure": e.stats.pressure(),
                          "reserved_blocks": blocks, "reserved_requests": requests, "rates": e.rates.to_dict(),
                          "unseen_reserved_blocks": self.unseen_blocks(rid),
                          "queue_time_s": wait if math.isfinite(wait) else -1.0,

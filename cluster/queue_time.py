@@ -12,11 +12,13 @@ rate the wait is unknown: infinite, so a cold replica takes what its free slots 
 """
 import math
 
-from cluster.stats import BLOCK_SIZE, Rates, ReplicaStats, num_blocks
+from cluster.stats import Rates, ReplicaStats, num_blocks
 
 
 def queue_time_s(stats: ReplicaStats, rates: Rates, extra_requests: int = 0, extra_tokens: int = 0,
-                 block_size: int = BLOCK_SIZE) -> float:
+                 block_size: int | None = None) -> float:
+    """block_size: the replica's (its stats') unless given."""
+    block_size = block_size or stats.block_size
     ahead = stats.num_waiting + extra_requests
     slots = stats.max_num_seqs - stats.num_running if stats.max_num_seqs else ahead + 1
     if stats.num_running and stats.kv_blocks_used:

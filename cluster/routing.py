@@ -29,9 +29,11 @@ from typing import Any, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.admission import Watermarks
 from cluster.prefix_index import PrefixIndex
-from cluster.stats import BLOCK_SIZE, ReplicaStats, block_hashes, num_blocks
+from cluster.score import replica_score
+from cluster.stats import ReplicaStats, block_hashes, num_blocks
+from cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
+from engine.stats import DEFAULT_BLOCK_SIZE
 
 
 MAX_PREFIX_BLOCKS = 256
@@ -49,7 +51,7 @@ class RoutingHint:
     cached_blocks: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_token_ids(cls, token_ids: Sequence[int], block_size: int = BLOCK_SIZE, replicas: Sequence[str] = (),
+    def from_token_ids(cls, token_ids: Sequence[int], block_size: int, replicas: Sequence[str] = (),
                        pressure: dict[str, float] | None = None, salt: str | None = None,
                        cached_blocks: dict[str, int] | None = None, keys: Sequence[bytes] | None = None,
                        ) -> "RoutingHint":
@@ -70,13 +72,13 @@ class RouterConfig:
     affinity_weight: float = 1.0
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
-    high_watermark: float = 0.90
-    low_watermark: float = 0.75
+    high_watermark: float = HIGH_WATERMARK
+    low_watermark: float = LOW_WATERMARK
     max_queue_imbalance: int = 8
     max_pressure_imbalance: float = 0.5
     max_blocks_per_replica: int = 65536
     follow_admission: bool = True
-    block_size: int = BLOCK_SIZE
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -110,13 +112,13 @@ def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[byte
     out = []
     for c in candidates:
         s = c.stats
-        pressure = c.pressure if c.pressure is not None else s.pressure(cfg.block_size) if s else 0.0
+        pressure = c.pressure if c.pressure is not None else s.pressure() if s else 0.0
         load = c.ongoing if c.ongoing is not None else s.num_running + s.num_waiting if s else 0
         held = cached_blocks.get(c.replica_id)
         held = index.match(c.replica_id, prefix_hashes) if held is None else held
         affinity = held / len(prefix_hashes) if prefix_hashes else 0.0
         headroom = min(1.0, max(0.0, 1.0 - pressure))
-        score = cfg.affinity_weight * affinity + cfg.headroom_weight * headroom + cfg.queue_weight / (1 + load)
+        score = replica_score(cfg, affinity, pressure, load)
         known = s is not None or c.pressure is not None
         saturated = marks.saturated(was_saturated.get(c.replica_id, False), pressure) if known else False
         out.append(Scored(c.replica_id, score, affinity, headroom, load, pressure, saturated))

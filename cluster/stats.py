@@ -8,9 +8,7 @@ import math
 from typing import Any, Sequence
 
 from engine import prefix_hash
-from engine.stats import EngineStats, KVUsage
-
-BLOCK_SIZE = 16
+from engine.stats import DEFAULT_BLOCK_SIZE, EngineStats, KVUsage, cdiv
 
 
 @dataclass(frozen=True)
@@ -27,6 +25,7 @@ class ReplicaStats(KVUsage):
     num_finished: int = 0
     num_added: int | None = None  # None: a replica that does not report it (reservations settle by time)
     max_num_seqs: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE  # the replica engine's: every block count here is in these
     busy_time_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -48,12 +47,12 @@ class ReplicaStats(KVUsage):
     def from_engine(cls, replica_id: str, stats: EngineStats) -> "ReplicaStats":
         return cls.from_dict({**stats.to_dict(), "replica_id": replica_id})
 
-    def waiting_blocks(self, block_size: int = BLOCK_SIZE) -> int:
-        return num_blocks(self.num_waiting_tokens, block_size)
+    def waiting_blocks(self) -> int:
+        return num_blocks(self.num_waiting_tokens, self.block_size)
 
-    def room_blocks(self, block_size: int = BLOCK_SIZE) -> int:
+    def room_blocks(self) -> int:
         """Free blocks left once the already-waiting prompts are placed."""
-        return self.kv_blocks_free - self.waiting_blocks(block_size)
+        return self.kv_blocks_free - self.waiting_blocks()
 
     @property
     def idle(self) -> bool:
@@ -63,18 +62,18 @@ class ReplicaStats(KVUsage):
         """Nothing ran, waited or changed between `earlier` and this snapshot."""
         return self.idle and replace(self, timestamp=earlier.timestamp) == earlier
 
-    def pressure(self, block_size: int = BLOCK_SIZE) -> float:
+    def pressure(self) -> float:
         """KV demand / capacity: used blocks plus blocks the waiting queue will need. May exceed 1."""
         if not self.kv_blocks_total:
             return 1.0
-        return (self.kv_blocks_used + self.waiting_blocks(block_size)) / self.kv_blocks_total
+        return (self.kv_blocks_used + self.waiting_blocks()) / self.kv_blocks_total
 
 
-def num_blocks(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
-    return math.ceil(num_tokens / block_size) if num_tokens > 0 else 0
+def num_blocks(num_tokens: int, block_size: int) -> int:
+    return cdiv(num_tokens, block_size) if num_tokens > 0 else 0
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: str | None = None,
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
                  max_blocks: int | None = None) -> list[bytes]:
     """The engine's own prefix-cache keys of the prompt's full blocks (engine/prefix_hash.py)."""
     return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.kv_events import KVEventLog, KVEvents
 from engine.prefix_hash import block_hash
 from engine.sequence import Sequence
+from engine.stats import cdiv
 
 
 @dataclass(eq=False)
@@ -84,7 +85,7 @@ class BlockManager:
         return self.pool.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.tables.get(seq.request_id, [])]

@@ -10,6 +10,7 @@ from engine.layers.rotary import check_rope
 from engine.model_source import resolve_model
 from engine.models.llama import ARCHITECTURES
 from engine.parallel import check_shardable
+from engine.stats import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("conveyor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,7 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9

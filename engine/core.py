@@ -185,7 +185,7 @@ class EngineCore:
             num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
             num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
             num_finished=self.num_finished, num_aborted=self.num_aborted, num_added=self.num_added,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
             busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
             tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],

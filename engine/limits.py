@@ -3,6 +3,7 @@ or LLMEngine offline). Light on purpose (no torch): the router imports it."""
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from engine.stats import cdiv
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,10 @@ class RequestLimits:
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens, max_model_len is {self.max_model_len} "
                              f"(the prompt must leave room for at least one generated token)")
-        if -(-n // self.block_size) > self.num_blocks:
-            raise ValueError(f"the prompt needs {-(-n // self.block_size)} KV-cache blocks but the cache holds "
+        if cdiv(n, self.block_size) > self.num_blocks:
+            raise ValueError(f"the prompt needs {cdiv(n, self.block_size)} KV-cache blocks but the cache holds "
                              f"{self.num_blocks}")
-        need = -(-min(n + params.max_tokens, self.max_model_len) // self.block_size)
+        need = cdiv(min(n + params.max_tokens, self.max_model_len), self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"prompt + max_tokens ({n} + {params.max_tokens}) needs {need} KV blocks but the "
                              f"cache holds {self.num_blocks}")

@@ -19,6 +19,7 @@ from engine.parallel import tp_rank
 from engine.persistent_batch import PersistentBatch
 from engine.sampler import SamplingBatch, add_constraints, sample
 from engine.sampling_params import SamplingParams
+from engine.stats import cdiv
 from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from kernels import attention_ops
 
@@ -81,7 +82,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf)
         self.vocab_size = hf.vocab_size
         self.requests: dict[str, RequestState] = {}
-        self.batch = PersistentBatch(-(-config.max_model_len // config.block_size), self.vocab_size)
+        self.batch = PersistentBatch(cdiv(config.max_model_len, config.block_size), self.vocab_size)
         self.special: set[str] = set()  # requests the sampler must treat one by one (penalties, seeds, ...)
         self.biased: set[str] = set()  # requests with a logit_bias
         self.kv_cache = torch.empty(0)
@@ -105,7 +106,7 @@ class ModelRunner:
 
     def _profile_activation_bytes(self) -> int:
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        blocks = -(-n // self.block_size)
+        blocks = cdiv(n, self.block_size)
         self.allocate_kv_cache(blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)

@@ -1,6 +1,14 @@
 from dataclasses import asdict, dataclass, field
 import time
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless EngineConfig.block_size says otherwise
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for integers."""
+    return -(-a // b)
+
+
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -39,6 +47,7 @@ class EngineStats(KVUsage):
     num_aborted: int = 0
     num_added: int = 0  # cumulative requests (sequences) the engine took in: admission settles reservations on it
     max_num_seqs: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block: every block count here is in these
     busy_time_s: float = 0.0  # cumulative wall time inside step(): rates below are per busy second
     num_prefill_tokens: int = 0  # cumulative tokens computed that sampled nothing (prompt, recompute)
     num_decode_tokens: int = 0  # cumulative tokens sampled

@@ -42,7 +42,7 @@ def _attend(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if qp.numel() == 0 or max_seq_len == 0:
         return torch.zeros_like(qp)
     block_size = k_cache.shape[1]
-    num_blocks = -(-max_seq_len // block_size)
+    num_blocks = (max_seq_len + block_size - 1) // block_size  # kernels/ imports only torch
     k = _gather(k_cache, block_tables, num_blocks)
     v = _gather(v_cache, block_tables, num_blocks)
     key_pos = torch.arange(k.shape[2], device=qp.device)

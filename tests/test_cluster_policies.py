@@ -1,12 +1,14 @@
 """Cluster policies without a Ray cluster: admission, routing, autoscaling, and their thin adapters."""
 import asyncio
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from cluster.admission import AdmissionConfig, AdmissionController, Decision, Watermarks, prometheus_text
+from cluster.admission import AdmissionConfig, AdmissionController, Decision, prometheus_text
+from cluster.watermarks import Watermarks
 from cluster.admission_actor import AdmissionActor, AdmissionClient
 from cluster.autoscaling import KVCacheAutoscalingPolicy, KVScalingConfig, autoscaling_metrics, desired_replicas
 from cluster.prefix_index import PrefixIndex
@@ -31,10 +33,19 @@ def test_replica_stats_from_engine_dict():
     assert s == ReplicaStats.from_engine("r1", e)
     assert (s.replica_id, s.num_running, s.kv_blocks_used, s.num_preemptions, s.timestamp) == ("r1", 3, 70, 1, 5.0)
     assert s.kv_cache_utilization == pytest.approx(0.7)
-    assert s.waiting_blocks(16) == 3 and s.room_blocks(16) == 27
-    assert s.pressure(16) == pytest.approx(0.73)
+    assert s.waiting_blocks() == 3 and s.room_blocks() == 27
+    assert s.pressure() == pytest.approx(0.73)
     assert ReplicaStats.from_dict(s.to_dict()) == s
     assert ReplicaStats("x").pressure() == 1.0  # no capacity known: treat as full
+
+
+def test_block_counts_follow_the_replicas_block_size():
+    """A replica with 32-token blocks reports them: its waiting prompt tokens fill half as many blocks."""
+    e = EngineStats(num_waiting_tokens=64, kv_blocks_total=16, kv_blocks_free=16, block_size=32)
+    s = ReplicaStats.from_engine("r", e)
+    assert s.block_size == 32 and s.waiting_blocks() == 2 and s.pressure() == pytest.approx(0.125)
+    assert push_due(s, ReplicaStats.from_engine("r", replace(e, num_waiting_tokens=128)), 0.0, 0.01)  # 2 -> 4 blocks
+    assert not push_due(s, ReplicaStats.from_engine("r", replace(e, num_waiting_tokens=90)), 0.0, 0.01)  # 2 -> 3
 
 
 def test_block_hashes_chain_full_blocks_only():
@@ -46,7 +57,7 @@ def test_block_hashes_chain_full_blocks_only():
     other = block_hashes([99] + ids[1:], 16)
     assert all(a != b for a, b in zip(h, other))  # a change in block 0 changes every later hash
     assert block_hashes(list(range(16, 32)), 16)[0] != h[1]  # same tokens, different parent
-    assert block_hashes([], 16) == [] and num_blocks(0) == 0 and num_blocks(17, 16) == 2
+    assert block_hashes([], 16) == [] and num_blocks(0, 16) == 0 and num_blocks(17, 16) == 2
 
 
 def test_push_due_interval_and_big_changes():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import all_reduce, divide, tp_rank, tp_size
+from engine.stats import cdiv
 
 
 def _rows(loaded, start: int, size: int) -> torch.Tensor:
@@ -30,7 +31,7 @@ def padded_rows(n: int) -> int:
     if n <= 32:
         return n
     step = max(16, (1 << (n.bit_length() - 1)) // 8)
-    return -(-n // step) * step
+    return cdiv(n, step) * step
 
 
 @dataclass(frozen=True)

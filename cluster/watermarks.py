@@ -1,0 +1,15 @@
+"""KV-demand watermarks with hysteresis: the one definition admission and routing share."""
+from dataclasses import dataclass
+
+HIGH_WATERMARK = 0.90
+LOW_WATERMARK = 0.75
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    high: float = HIGH_WATERMARK
+    low: float = LOW_WATERMARK
+
+    def saturated(self, was_saturated: bool, pressure: float) -> bool:
+        """Stop above `high`; once stopped, resume only below `low`."""
+        return pressure >= self.low if was_saturated else pressure > self.high
