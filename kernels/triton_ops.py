@@ -194,6 +194,15 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device:
     return max(1, min(wanted, max_seq_len // 256, 64))
 
 
+def _decode_block_n(dtype: torch.dtype) -> int:
+    """Keys per tile of _decode_kernel (split_len is a multiple of it)."""
+    if _interpret():
+        return 32
+    # fp32 dots are input_precision="ieee" FMA loops holding whole operand rows in registers: with wider
+    # key tiles ptxas spills them.
+    return 16 if dtype == torch.float32 else 64
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, max_seq_len: int | None = None,
@@ -208,7 +217,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert num_heads % num_kv_heads == 0
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    block_n = 32 if _interpret() else 64
+    block_n = _decode_block_n(k_cache.dtype)
     if num_splits is None:
         num_splits = _default_num_splits(batch, num_kv_heads, max_seq_len, q.device)
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
@@ -237,12 +246,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _prefill_config(head_dim: int, max_query_len: int) -> dict:
+def _prefill_config(head_dim: int, max_query_len: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options of _prefill_kernel. Off the interpreter, each choice compiles without
+    register spills for sm_80 and sm_90 (benchmarks/gpu_check.py --aot checks it)."""
     if _interpret():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    block_m = min(128, max(16, triton.next_power_of_2(max_query_len)))
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if head_dim >= 128 and block_m >= 128 else 4,
-                num_stages=2 if head_dim > 128 else 3)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_stages = 2 if block_d > 128 else 3
+    if dtype == torch.float32:
+        # ieee fp32 dots are FMA loops holding whole operand rows in registers: the smallest tiles tl.dot
+        # takes; rows wider than 64 spread over 8 warps without a cp.async pipeline (ptxas spills otherwise).
+        wide_rows = block_d > 64
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=8 if wide_rows else 4, num_stages=1 if wide_rows else 3)
+    # The fp32 accumulator and the Q operand (BLOCK_M x BLOCK_D) stay in registers: 8 warps share them from
+    # 128x128 elements up, 256-wide rows stop at 64 queries, and 256-wide rows or 4 warps on 64 queries of
+    # 128-wide rows take 32 keys at a time.
+    block_m = min(128 if block_d <= 128 else 64, max(16, triton.next_power_of_2(max_query_len)))
+    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+    block_n = 32 if block_d > 128 or (num_warps == 4 and block_m >= 64 and block_d >= 128) else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -257,7 +279,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == block_tables.stride(1) == 1
     assert num_heads % k_cache.shape[2] == 0
-    config = _prefill_config(head_dim, max_query_len)
+    config = _prefill_config(head_dim, max_query_len, k_cache.dtype)
     grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
