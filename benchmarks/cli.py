@@ -1,7 +1,7 @@
 """`conveyor bench serve | throughput | timeline` (imported only when `conveyor bench` runs)."""
 import argparse
 
-from engine.cli import run
+from conveyor.cli import run
 
 
 def main(argv: list[str]) -> int:

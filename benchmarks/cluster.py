@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from benchmarks.sse import read_completion_stream, server_timing_ms
-from deployments.ingress import haproxy_enabled, use_haproxy
+from conveyor.deployments.ingress import haproxy_enabled, use_haproxy
 
 ROUTERS = {"kv": "KV-aware (real KV contents + headroom + queue)", "p2c": "Ray default (power of two)"}
 
@@ -59,7 +59,7 @@ def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, max_tokens: 
     """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests). As
     in the engine, the full blocks of its output are cached too (keys no other request has); unlike it, no
     block is ever pinned by a running request, so the oracle's caches hold more: an upper bound."""
-    from engine.prefix_hash import block_hashes
+    from conveyor.engine.prefix_hash import block_hashes
     caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
     sent, hits, queries, served = [0] * replicas, 0, 0, 0
     for prompts in rounds:
@@ -151,7 +151,7 @@ def start_ray(args: argparse.Namespace) -> str:
 
 
 def app_args(args: argparse.Namespace, **over: Any) -> Any:
-    from deployments.app import AppArgs
+    from conveyor.deployments.app import AppArgs
     engine = {**dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16),
               **json.loads(args.engine), **over.pop("engine", {})}
@@ -163,7 +163,7 @@ def app_args(args: argparse.Namespace, **over: Any) -> Any:
 def deploy(url: str, apps: dict[str, Any]) -> None:
     from ray import serve
 
-    from deployments.app import build_app
+    from conveyor.deployments.app import build_app
     serve.run_many([serve.RunTarget(build_app(a), name=name, route_prefix=f"/{name}") for name, a in apps.items()])
     for name in apps:
         for _ in range(4):

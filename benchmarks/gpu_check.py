@@ -1,5 +1,5 @@
 """The one prepared GPU check (a CUDA machine, no network): the Triton kernels against the reference
-and their timings (benchmarks/kernels.py --quick), then the engine end to end on CUDA — greedy tokens
+and their timings (benchmarks/triton_kernels.py --quick), then the engine end to end on CUDA — greedy tokens
 in float32 equal to the CPU run on demo:small (and on SmolLM2 when its checkpoint is in the model
 cache), and bfloat16 tok/s on the seed workload. `python -m benchmarks.gpu_check`; exits 1 on any
 mismatch, within ~8 minutes on one GPU.
@@ -33,7 +33,7 @@ import torch
 
 
 def greedy(model: str, device: str, dtype: str, prompts: list[dict], max_tokens: int) -> list[list[int]]:
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
     llm = LLM(model, device=device, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -41,7 +41,7 @@ def greedy(model: str, device: str, dtype: str, prompts: list[dict], max_tokens:
 
 def tok_per_s(model: str, dtype: str, n: int) -> float:
     from benchmarks.throughput import workload
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
     llm = LLM(model, device="cuda", dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048)
     prompts, params = workload(n, 0, llm.engine.vocab_size)
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)
@@ -189,7 +189,7 @@ class AotReport:
 def _triton_ops() -> ModuleType:
     import triton
     assert not triton.knobs.runtime.interpret, "AOT compiles need TRITON_INTERPRET unset when kernels are imported"
-    from kernels import triton_ops
+    from conveyor.kernels import triton_ops
     return triton_ops
 
 
@@ -520,9 +520,9 @@ def main() -> int:
         return 1
     ok = True
     if not args.skip_kernels:
-        ok &= subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--quick"]).returncode == 0
+        ok &= subprocess.run([sys.executable, "-m", "benchmarks.triton_kernels", "--quick"]).returncode == 0
     from benchmarks.throughput import workload
-    from engine import LLM
+    from conveyor.engine import LLM
     for model in args.models:
         try:
             probe = LLM(model, device="cpu", dtype="float32")

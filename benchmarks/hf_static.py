@@ -6,7 +6,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 BATCH = 32
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.step import SchedulerOutput
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.step import SchedulerOutput
 
 WATERMARKS = {"off": (0.0, False), "fixed": (0.05, False), "adaptive": (0.01, True)}
 

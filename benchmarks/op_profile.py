@@ -9,8 +9,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.throughput import workload
-from engine import LLM, SamplingParams
-from kernels import cpu_ops
+from conveyor.engine import LLM, SamplingParams
+from conveyor.kernels import cpu_ops
 
 KERNELS = ("paged_attention", "store_kv_cache", "rms_norm_", "silu_and_mul", "rotary_embedding_", "gemm_packed")
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from benchmarks.lengths import Lengths, token_prompts
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[dict[str, float], list[list[int]]]:

@@ -14,7 +14,7 @@ import psutil
 import ray
 from ray import serve
 
-from deployments.app import AppArgs
+from conveyor.deployments.app import AppArgs
 
 
 @serve.deployment(max_ongoing_requests=1024)

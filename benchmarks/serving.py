@@ -10,8 +10,8 @@ and, per app, interleaved request by request with a bare Serve app, the TTFT the
 cluster in a subprocess (the flag is per cluster); --haproxy-only measures those rows alone, without the
 Serve-proxy cluster idling beside them. Rounds go over every app in turn. The client is aiohttp.
 
-    python benchmarks/serving.py --haproxy  # 256 requests x 64 tokens, 64 in flight
-    python benchmarks/serving.py --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
+    python -m benchmarks.serving --haproxy  # 256 requests x 64 tokens, 64 in flight
+    python -m benchmarks.serving --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
 """
 import argparse
 import asyncio
@@ -28,14 +28,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/kernels.py shadows kernels/
-sys.path.insert(0, str(HERE.parent))
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.sse import aiohttp_lines, read_completion_stream, server_timing_ms  # noqa: E402
-from deployments.ingress import haproxy_env  # noqa: E402
+from conveyor.deployments.ingress import haproxy_env  # noqa: E402
 
 
 def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -51,7 +49,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_process: bool) -> tuple[float, int]:
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
     llm = LLM(args.model, engine_core_process=core_process, **engine_options(args))
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], sp, use_tqdm=False)
@@ -84,7 +82,7 @@ async def http_request(client: aiohttp.ClientSession, url: str, prompt: list[int
     return ttft, replica_ms(r.headers), tokens
 
 
-ROLES = (("engine.core_process", "core"), ("LLMReplica", "replica"), ("LLMServer", "server"), ("Router", "router"),
+ROLES = (("conveyor.engine.core_process", "core"), ("LLMReplica", "replica"), ("LLMServer", "server"), ("Router", "router"),
          ("ProxyActor", "proxy"), ("bin/haproxy", "haproxy"))
 
 
@@ -194,7 +192,7 @@ QUICK_APPS = {k: APPS[k] for k in ("/", "/nochannel/")}
 
 
 def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
-    from deployments.app import AppArgs
+    from conveyor.deployments.app import AppArgs
     return AppArgs(**{**dict(model=args.model, engine=engine_options(args), num_replicas=1, replica_num_cpus=1.0,
                              router_num_cpus=0.5, torch_threads=args.threads, port=args.port,
                              stream_interval=args.stream_interval), **overrides})
@@ -219,7 +217,7 @@ def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def deploy_app(args: argparse.Namespace, prefix: str) -> str:
     from ray import serve
 
-    from deployments.app import build_app
+    from conveyor.deployments.app import build_app
     name = prefix.strip("/") or "default"
     serve.run(build_app(app_args(args, **apps_of(args)[prefix])), name=name, route_prefix=prefix.rstrip("/") or "/")
     return name

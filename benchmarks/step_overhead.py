@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 
 def null_run(vocab: int):

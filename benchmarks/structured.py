@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-import engine.model_runner as model_runner
-import engine.sampler as sampler
-from engine import LLM, SamplingParams
-from engine.sampling_params import StructuredParams
+import conveyor.engine.model_runner as model_runner
+import conveyor.engine.sampler as sampler
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampling_params import StructuredParams
 
 
 def schema(items: int) -> dict:

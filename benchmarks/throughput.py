@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 
-from engine import LLM, SamplingParams
-from engine.step_trace import KINDS, StepRecord
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.step_trace import KINDS, StepRecord
 
 
 def workload(n: int, seed: int, vocab: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -94,7 +94,7 @@ def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, thread
 
 
 def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: str, warmup: str = "short") -> dict:
-    from engine.config import EngineConfig
+    from conveyor.engine.config import EngineConfig
     cfg = EngineConfig(model=model, dtype=dtype)
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
     warm, warm_params = warmup_workload(n, seed, cfg.hf_config.vocab_size, warmup)
@@ -114,7 +114,7 @@ def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: s
 
 def transformers_run(model: str, dtype: str, n: int, seed: int) -> dict:
     from benchmarks.hf_static import measure_transformers
-    from engine.config import EngineConfig
+    from conveyor.engine.config import EngineConfig
     cfg = EngineConfig(model=model, dtype=dtype)
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
     return measure_transformers(cfg.model_path, dtype, prompts, params)

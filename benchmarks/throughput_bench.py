@@ -15,7 +15,7 @@ import torch
 
 from benchmarks import memory, throughput
 from benchmarks.lengths import Lengths, token_prompts
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 WORKLOADS = ("seed", "heavy-tail", "shared-prefix", "memory-pressure")
 Workload = Callable[[int, int, int], tuple[list[list[int]], list[SamplingParams]]]

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lengths import Lengths, token_prompts
-from engine import LLM, SamplingParams
-from engine.step_trace import StepRecord, chrome_trace
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.step_trace import StepRecord, chrome_trace
 
 
 def trace_run(model: str, policy: str, prompts: list[list[int]], outputs: list[int],

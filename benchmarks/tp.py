@@ -5,7 +5,7 @@ request ids: driver -> every rank -> rank 0's reply back), i.e. what TP adds to 
 TP=2). Compared: socket (default: pickled delta over one TCP connection per rank), remote (.remote() per rank
 per step), dag (Ray Compiled Graph). "idle CPU/rank" is what a rank burns while waiting for the next step.
 
-    python benchmarks/tp.py --model demo:small --num-prompts 16 --max-tokens 32
+    python -m benchmarks.tp --model demo:small --num-prompts 16 --max-tokens 32
 """
 import argparse
 import os
@@ -14,14 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.step import SchedulerOutput  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine.step import SchedulerOutput  # noqa: E402
 
 
 def dispatch_overhead_ms(llm: LLM, steps: int, batch: int) -> tuple[float, float]:
@@ -79,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    from engine.tp_executor import TPExecutor
+    from conveyor.engine.tp_executor import TPExecutor
     opts = dict(dtype="float32", max_num_seqs=args.num_prompts, max_model_len=256, enable_prefix_caching=False)
     rows = []
     try:

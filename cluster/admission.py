@@ -16,15 +16,15 @@ from dataclasses import asdict, dataclass, field
 import math
 from typing import Any, Iterable, Sequence
 
-from cluster.hot_blocks import HotBlocks
-from cluster.kv_index import KVIndex
-from cluster import placement
-from cluster.queue_time import queue_time_s, retry_after_s
-from cluster.reservations import Reservation, ReservationBook, SettleRule
-from cluster.score import replica_score
-from cluster.stats import Rates, ReplicaStats, num_blocks
-from cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
-from engine.stats import DEFAULT_BLOCK_SIZE, cdiv
+from conveyor.cluster.hot_blocks import HotBlocks
+from conveyor.cluster.kv_index import KVIndex
+from conveyor.cluster import placement
+from conveyor.cluster.queue_time import queue_time_s, retry_after_s
+from conveyor.cluster.reservations import Reservation, ReservationBook, SettleRule
+from conveyor.cluster.score import replica_score
+from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
+from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
+from conveyor.engine.stats import DEFAULT_BLOCK_SIZE, cdiv
 
 def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
     """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)

@@ -15,9 +15,9 @@ import time
 import uuid
 from typing import Any, Awaitable, Callable, Sequence
 
-from cluster.admission import AdmissionConfig, AdmissionController, Decision
-from cluster.leases import Leases
-from cluster.stats import ReplicaStats
+from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision
+from conveyor.cluster.leases import Leases
+from conveyor.cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
 ROUTER_TTL_S = 5.0

@@ -12,7 +12,7 @@ reported metrics; while replicas are still starting (n < current) it never scale
 
 Replica side: `record_autoscaling_stats` returns at least `autoscaling_metrics(engine.stats())`.
 Deployment side (AppArgs.kv_autoscaling builds it): `autoscaling_config.policy =
-{policy_function: "cluster.autoscaling:KVCacheAutoscalingPolicy", policy_kwargs: {...}}`, where
+{policy_function: "conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy", policy_kwargs: {...}}`, where
 policy_kwargs are `KVScalingConfig` fields except min/max (those come from the autoscaling_config).
 Ray 2.60 wraps the policy in its own upscale/downscale delays (defaults 30 s / 600 s): set them to 0.
 Replicas push these metrics every `autoscaling_config.metrics_interval_s` (default 10 s; the
@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from engine.stats import EngineStats
+    from conveyor.engine.stats import EngineStats
 
 DEMAND_METRIC = "kv_demand"
 WAITING_METRIC = "num_waiting"

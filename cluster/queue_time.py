@@ -12,7 +12,7 @@ rate the wait is unknown: infinite, so a cold replica takes what its free slots 
 """
 import math
 
-from cluster.stats import Rates, ReplicaStats, num_blocks
+from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
 
 
 def queue_time_s(stats: ReplicaStats, rates: Rates, extra_requests: int = 0, extra_tokens: int = 0,

@@ -2,7 +2,7 @@
 
 Wiring (Ray Serve 2.60):
 - LLM replica deployment: `request_router_config=RequestRouterConfig(request_router_class=
-  "cluster.routing:KVAwareRequestRouter", request_router_kwargs={...RouterConfig fields...},
+  "conveyor.cluster.routing:KVAwareRequestRouter", request_router_kwargs={...RouterConfig fields...},
   request_routing_stats_period_s=0.5)`, and a replica method
   `def record_routing_stats(self) -> dict: return engine_stats.to_dict()` (replica_id optional).
   Ray's controller polls it and hands it to the router as `RunningReplica.routing_stats`.
@@ -29,11 +29,11 @@ from typing import Any, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.prefix_index import PrefixIndex
-from cluster.score import replica_score
-from cluster.stats import ReplicaStats, block_hashes, num_blocks
-from cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
-from engine.stats import DEFAULT_BLOCK_SIZE
+from conveyor.cluster.prefix_index import PrefixIndex
+from conveyor.cluster.score import replica_score
+from conveyor.cluster.stats import ReplicaStats, block_hashes, num_blocks
+from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
+from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
 
 MAX_PREFIX_BLOCKS = 256

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, fields, replace
 import math
 from typing import Any, Sequence
 
-from engine import prefix_hash
-from engine.stats import DEFAULT_BLOCK_SIZE, EngineStats, KVUsage, cdiv
+from conveyor.engine import prefix_hash
+from conveyor.engine.stats import DEFAULT_BLOCK_SIZE, EngineStats, KVUsage, cdiv
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,15 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, DeploymentActorConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from cluster.admission import AdmissionConfig
-from cluster.admission_actor import AdmissionActor
-from cluster.autoscaling import KVScalingConfig
-from cluster.routing import RouterConfig
-from deployments.http_guard import GuardConfig
-from deployments.replica import ADMISSION_ACTOR, LLMReplica
-from deployments.router import Router
-from deployments.tool_parsers import TOOL_PARSERS
-from engine import EngineConfig
+from conveyor.cluster.admission import AdmissionConfig
+from conveyor.cluster.admission_actor import AdmissionActor
+from conveyor.cluster.autoscaling import KVScalingConfig
+from conveyor.cluster.routing import RouterConfig
+from conveyor.deployments.http_guard import GuardConfig
+from conveyor.deployments.replica import ADMISSION_ACTOR, LLMReplica
+from conveyor.deployments.router import Router
+from conveyor.deployments.tool_parsers import TOOL_PARSERS
+from conveyor.engine import EngineConfig
 
 
 CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")
@@ -26,7 +26,7 @@ CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")
 
 class KVAutoscaling(BaseModel):
     """Replica autoscaling on KV-cache demand (EngineStats.kv_demand): Ray's autoscaling_config around
-    cluster.autoscaling:KVCacheAutoscalingPolicy, whose own delays replace Ray's (set to 0)."""
+    conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy, whose own delays replace Ray's (set to 0)."""
 
     model_config = ConfigDict(extra="forbid")
     min_replicas: int = Field(1, ge=1)
@@ -37,7 +37,7 @@ class KVAutoscaling(BaseModel):
     policy: dict[str, float] = {}
 
     def config(self) -> AutoscalingConfig:
-        policy = {"policy_function": "cluster.autoscaling:KVCacheAutoscalingPolicy", "policy_kwargs": self.policy}
+        policy = {"policy_function": "conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy", "policy_kwargs": self.policy}
         return AutoscalingConfig(**self.model_dump(exclude={"policy"}), upscale_delay_s=0, downscale_delay_s=0,
                                  policy=policy)
 
@@ -190,7 +190,7 @@ class AppArgs(BaseModel):
             opts["num_replicas"] = self.num_replicas
         if self.request_router is not None:
             opts["request_router_config"] = RequestRouterConfig(
-                request_router_class="cluster.routing:KVAwareRequestRouter",
+                request_router_class="conveyor.cluster.routing:KVAwareRequestRouter",
                 request_router_kwargs={**self.request_router, "block_size": self.block_size},
                 request_routing_stats_period_s=self.request_routing_stats_period_s,
                 request_routing_stats_timeout_s=max(2.0, 4 * self.request_routing_stats_period_s))
@@ -219,7 +219,7 @@ def build_app(args: AppArgs) -> Application:
                    GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
                    args.token_channel and args.topology == "handle")
     if args.topology == "single":
-        from deployments.server import LLMServer
+        from conveyor.deployments.server import LLMServer
         server = serve.deployment(name="LLMServer", health_check_period_s=5)(LLMServer)
         return server.options(**args.replica_options()).bind(replica_args, *router_args)
     replica = LLMReplica.options(**args.replica_options()).bind(**replica_args)

@@ -1,5 +1,5 @@
 """Generates docs/configuration.md from the configuration types themselves, so the page cannot drift from the code:
-`python -m deployments.config_docs > docs/configuration.md` (tests/test_docs.py checks the file equals `render()`).
+`python -m conveyor.deployments.config_docs > docs/configuration.md` (tests/test_docs.py checks the file equals `render()`).
 
 For each type, one table of its fields in declaration order: name, type (the annotation as written in the source),
 default (the runtime default; a `default_factory` lambda shows its body), and a description. The description is
@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-COMMAND = "python -m deployments.config_docs > docs/configuration.md"
+COMMAND = "python -m conveyor.deployments.config_docs > docs/configuration.md"
 
 
 @dataclass(frozen=True)
@@ -173,12 +173,12 @@ def table(cls: type) -> str:
 
 def sections() -> tuple[Section, ...]:
     # imported here: deployments.app pulls in Ray Serve and the engine config pulls in torch
-    from cluster.admission import AdmissionConfig
-    from cluster.autoscaling import KVScalingConfig
-    from cluster.routing import RouterConfig
-    from deployments.app import AppArgs, KVAutoscaling
-    from deployments.http_guard import GuardConfig
-    from engine.config import EngineConfig
+    from conveyor.cluster.admission import AdmissionConfig
+    from conveyor.cluster.autoscaling import KVScalingConfig
+    from conveyor.cluster.routing import RouterConfig
+    from conveyor.deployments.app import AppArgs, KVAutoscaling
+    from conveyor.deployments.http_guard import GuardConfig
+    from conveyor.engine.config import EngineConfig
     return (
         Section(AppArgs, "The `args:` of an application in a Serve config file (`serve_config.yaml`), or the dict "
                          "given to `deployments.app.deploy`. An unknown or invalid field fails the deploy with a "

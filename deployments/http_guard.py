@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.protocol import APIError
+from conveyor.deployments.protocol import APIError
 
 MAX_JSON_DEPTH = 64
 OPEN_PATHS = ("/health", "/metrics")

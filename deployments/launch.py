@@ -1,4 +1,4 @@
-"""`python -m deployments.launch serve_config.yaml` (or `conveyor-serve`): deploys a Serve config file as
+"""`python -m conveyor.deployments.launch serve_config.yaml` (or `conveyor-serve`): deploys a Serve config file as
 `serve run` does (Ray Serve's own ServeDeploySchema and deploy path), and on SIGINT or SIGTERM drains before
 shutting Serve down: the routers refuse new requests (503 `shutting_down` + Retry-After), the requests in flight
 finish, anything still running at `--drain-timeout` ends with an explicit error (503 `drain_timeout`, or an SSE
@@ -21,7 +21,7 @@ from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.drain import DRAIN_SIGNAL, DrainSignal
+from conveyor.deployments.drain import DRAIN_SIGNAL, DrainSignal
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -9,14 +9,14 @@ import ray
 import torch
 from ray import serve
 
-from cluster.routing import RoutingHint
-from cluster.stats import ReplicaStats, push_due
-from deployments.metrics import ReplicaMetrics, wall
-from deployments.protocol import Chunk, Delta, GenerateRequest
-from deployments.responses import merge_deltas
-from deployments.serve_logs import flush_at_warning
-from deployments.token_channel import TokenOutbox
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from conveyor.cluster.routing import RoutingHint
+from conveyor.cluster.stats import ReplicaStats, push_due
+from conveyor.deployments.metrics import ReplicaMetrics, wall
+from conveyor.deployments.protocol import Chunk, Delta, GenerateRequest
+from conveyor.deployments.responses import merge_deltas
+from conveyor.deployments.serve_logs import flush_at_warning
+from conveyor.deployments.token_channel import TokenOutbox
+from conveyor.engine import AsyncEngine, EngineConfig, SamplingParams
 
 ADMISSION_ACTOR = "admission"
 MAX_KV_EVENTS = 4096

@@ -8,12 +8,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from deployments.protocol import (
+from conveyor.deployments.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatStreamChoice,
     CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
     ErrorInfo, ErrorResponse, FunctionCall, TokenLogprob, ToolCall, TopLogprob, UsageInfo,
 )
-from deployments.tool_parsers import HermesToolParser, ParsedCall, ToolStream
+from conveyor.deployments.tool_parsers import HermesToolParser, ParsedCall, ToolStream
 
 DONE = "data: [DONE]\n\n"
 

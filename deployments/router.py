@@ -12,26 +12,26 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerFast
 
-from cluster.admission import prometheus_text
-from cluster.admission_actor import AdmissionClient
-from cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
-from cluster.stats import block_hashes, num_blocks
-from deployments.drain import Drain
-from deployments.http_guard import GuardConfig, HTTPGuard
-from deployments.metrics import ResponseCounter, RouterMetrics
-from deployments.protocol import (
+from conveyor.cluster.admission import prometheus_text
+from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
+from conveyor.cluster.stats import block_hashes, num_blocks
+from conveyor.deployments.drain import Drain
+from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
+from conveyor.deployments.metrics import ResponseCounter, RouterMetrics
+from conveyor.deployments.protocol import (
     APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
 )
-from deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
-from deployments.serve_logs import flush_at_warning
-from deployments.token_channel import TokenInbox, follow
-from deployments.tool_parsers import TOOL_PARSERS
-from engine import SamplingParams
-from engine.chat_template import render_chat
-from engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
-from engine.limits import RequestLimits
-from engine.model_source import resolve_model
-from engine.sampling_params import StructuredParams
+from conveyor.deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
+from conveyor.deployments.serve_logs import flush_at_warning
+from conveyor.deployments.token_channel import TokenInbox, follow
+from conveyor.deployments.tool_parsers import TOOL_PARSERS
+from conveyor.engine import SamplingParams
+from conveyor.engine.chat_template import render_chat
+from conveyor.engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
+from conveyor.engine.limits import RequestLimits
+from conveyor.engine.model_source import resolve_model
+from conveyor.engine.sampling_params import StructuredParams
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="Conveyor")

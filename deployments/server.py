@@ -7,8 +7,8 @@ from typing import Any, AsyncIterator
 
 from ray.serve.exceptions import RequestCancelledError
 
-from deployments.replica import LLMReplica
-from deployments.router import Router
+from conveyor.deployments.replica import LLMReplica
+from conveyor.deployments.router import Router
 
 
 class LocalStream:

@@ -15,8 +15,8 @@ import ray
 import zmq
 import zmq.asyncio
 
-from deployments.protocol import Chunk
-from deployments.responses import merge_deltas
+from conveyor.deployments.protocol import Chunk
+from conveyor.deployments.responses import merge_deltas
 
 log = logging.getLogger("ray.serve")
 MAX_QUEUED_MESSAGES = 10_000  # per router: minutes of engine steps; a router that far behind is gone

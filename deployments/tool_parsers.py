@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.protocol import Tool
+from conveyor.deployments.protocol import Tool
 
 
 @dataclass
@@ -29,7 +29,7 @@ class HermesToolParser:
 
     def forced_grammar(self, tools: list[Tool]) -> str:
         """EBNF for exactly one call to one of `tools`, in this parser's form."""
-        from engine.structured_output import tagged_json_grammar
+        from conveyor.engine.structured_output import tagged_json_grammar
         return tagged_json_grammar(self.call_schema(tools), f"{self.begin}\n", f"\n{self.end}")
 
     def _call(self, body: str) -> ParsedCall | None:

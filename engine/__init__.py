@@ -3,10 +3,10 @@ can be imported by the HTTP edge and the cluster layer without pulling in torch.
 from importlib import import_module
 from typing import Any
 
-_EXPORTS = {"AsyncEngine": "engine.async_engine", "EngineConfig": "engine.config", "LLM": "engine.llm",
-            "LLMEngine": "engine.llm_engine", "CompletionOutput": "engine.outputs",
-            "RequestMetrics": "engine.outputs", "RequestOutput": "engine.outputs",
-            "SamplingParams": "engine.sampling_params", "EngineStats": "engine.stats"}
+_EXPORTS = {"AsyncEngine": "conveyor.engine.async_engine", "EngineConfig": "conveyor.engine.config", "LLM": "conveyor.engine.llm",
+            "LLMEngine": "conveyor.engine.llm_engine", "CompletionOutput": "conveyor.engine.outputs",
+            "RequestMetrics": "conveyor.engine.outputs", "RequestOutput": "conveyor.engine.outputs",
+            "SamplingParams": "conveyor.engine.sampling_params", "EngineStats": "conveyor.engine.stats"}
 
 __all__ = sorted(_EXPORTS)
 

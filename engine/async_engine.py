@@ -10,12 +10,12 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from engine.config import EngineConfig
-from engine.kv_events import KVEvents
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.kv_events import KVEvents
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.stats import EngineStats
 
 log = logging.getLogger("conveyor")
 POLL_S = 0.05

@@ -4,10 +4,10 @@ model runner."""
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.kv_events import KVEventLog, KVEvents
-from engine.prefix_hash import block_hash
-from engine.sequence import Sequence
-from engine.stats import cdiv
+from conveyor.engine.kv_events import KVEventLog, KVEvents
+from conveyor.engine.prefix_hash import block_hash
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.stats import cdiv
 
 
 @dataclass(eq=False)

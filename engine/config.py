@@ -5,12 +5,12 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.core_priority import PRIORITIES
-from engine.layers.rotary import check_rope
-from engine.model_source import resolve_model
-from engine.models.llama import ARCHITECTURES
-from engine.parallel import check_shardable
-from engine.stats import DEFAULT_BLOCK_SIZE
+from conveyor.engine.core_priority import PRIORITIES
+from conveyor.engine.layers.rotary import check_rope
+from conveyor.engine.model_source import resolve_model
+from conveyor.engine.models.llama import ARCHITECTURES
+from conveyor.engine.parallel import check_shardable
+from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("conveyor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +69,7 @@ class EngineConfig:
     # replica, admission's count_output_blocks charges a request min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256
     seed: int = 0
-    model_runner_cls: str = "engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
+    model_runner_cls: str = "conveyor.engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     model_path: str = field(default="", repr=False)
@@ -114,7 +114,7 @@ class EngineConfig:
             self.attention_backend = "triton" if self.device == "cuda" else self._cpu_backend()
 
     def _cpu_backend(self) -> str:
-        from kernels import cpu_ops
+        from conveyor.kernels import cpu_ops
         return "cpu" if self.dtype in ("float32", "bfloat16") and cpu_ops.load() is not None else "torch"
 
     def _load_model_config(self) -> None:

@@ -8,20 +8,20 @@ from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.executor import make_executor
-from engine.kv_events import KVEvents
-from engine.messages import AddRequest, CoreOutput
-from engine.output_lengths import OutputLengths
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.stats import EngineStats
-from engine.step import SchedulerOutput
-from engine.step_trace import StepTrace
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.executor import make_executor
+from conveyor.engine.kv_events import KVEvents
+from conveyor.engine.messages import AddRequest, CoreOutput
+from conveyor.engine.output_lengths import OutputLengths
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence, SequenceStatus
+from conveyor.engine.stats import EngineStats
+from conveyor.engine.step import SchedulerOutput
+from conveyor.engine.step_trace import StepTrace
 
 if TYPE_CHECKING:
-    from engine.structured_output import StructuredOutputManager
+    from conveyor.engine.structured_output import StructuredOutputManager
 
 log = logging.getLogger("conveyor")
 
@@ -53,7 +53,7 @@ class EngineCore:
         """Built on the first constrained request: engine.structured_output imports xgrammar. Grammars live
         here, beside the sampler that applies their masks."""
         if self._structured is None:
-            from engine.structured_output import StructuredOutputManager
+            from conveyor.engine.structured_output import StructuredOutputManager
             if self.tokenizer is None:
                 from transformers import AutoTokenizer
                 self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)

@@ -13,11 +13,11 @@ import zmq
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
-from engine.kv_events import KVEventLog, KVEvents
-from engine.messages import (AddRequest, Codec, CoreFailed, CoreMessage, CoreOutput, CoreOutputs, CoreReady,
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.kv_events import KVEventLog, KVEvents
+from conveyor.engine.messages import (AddRequest, Codec, CoreFailed, CoreMessage, CoreOutput, CoreOutputs, CoreReady,
                              FinishRequests, Shutdown)
-from engine.stats import EngineStats
+from conveyor.engine.stats import EngineStats
 
 READY_TIMEOUT_S = 300.0
 
@@ -60,7 +60,7 @@ class InprocClient:
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int],
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        from engine.core import EngineCore
+        from conveyor.engine.core import EngineCore
         self.core = EngineCore(config, eos_token_ids, tokenizer)
         self.num_blocks = self.core.block_manager.num_blocks
 
@@ -111,7 +111,7 @@ class MPClient:
         if config.max_model_len_from_model:
             options["max_model_len"] = None  # the core fits it to its KV cache, as this side does below
         spec = json.dumps({"options": options, "eos_token_ids": sorted(eos_token_ids)})
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.core_process", in_addr, out_addr, spec,
+        self.proc = subprocess.Popen([sys.executable, "-m", "conveyor.engine.core_process", in_addr, out_addr, spec,
                                       str(os.getpid()), str(torch.get_num_threads())])
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.poller = zmq.Poller()

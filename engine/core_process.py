@@ -1,4 +1,4 @@
-"""The engine core's own process: `python -m engine.core_process IN OUT CONFIG_JSON PARENT_PID THREADS`.
+"""The engine core's own process: `python -m conveyor.engine.core_process IN OUT CONFIG_JSON PARENT_PID THREADS`.
 Busy loop: take every queued input, run one step, send the step's deltas and the stats; block only when idle.
 It dies with its parent (PR_SET_PDEATHSIG, and a parent-pid check while idle)."""
 import ctypes
@@ -11,8 +11,8 @@ import traceback
 
 import zmq
 
-from engine.core_priority import REFRESH_S, CorePriority
-from engine.messages import (AddRequest, Codec, CoreFailed, CoreOutput, CoreOutputs, CoreReady, FinishRequests,
+from conveyor.engine.core_priority import REFRESH_S, CorePriority
+from conveyor.engine.messages import (AddRequest, Codec, CoreFailed, CoreOutput, CoreOutputs, CoreReady, FinishRequests,
                              Shutdown, params_from_wire)
 
 IDLE_POLL_MS = 500
@@ -33,9 +33,9 @@ def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[in
     outputs.connect(out_addr)
     codec, priority = Codec(), None
     try:
-        from engine.config import EngineConfig
-        from engine.core import EngineCore
-        from engine.heap import freeze_startup_heap
+        from conveyor.engine.config import EngineConfig
+        from conveyor.engine.core import EngineCore
+        from conveyor.engine.heap import freeze_startup_heap
         config = EngineConfig(**options)
         core = EngineCore(config, eos_token_ids)
         priority = CorePriority(config.core_process_priority, threads)

@@ -1,7 +1,7 @@
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

@@ -2,11 +2,11 @@
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
-from engine.config import EngineConfig
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from conveyor.engine.model_runner import ModelRunner
 
 
 def runner_class(config: EngineConfig) -> type["ModelRunner"]:
@@ -52,5 +52,5 @@ class LocalExecutor:
 def make_executor(config: EngineConfig) -> Executor:
     if config.tensor_parallel_size == 1:
         return LocalExecutor(config)
-    from engine.tp_executor import TPExecutor
+    from conveyor.engine.tp_executor import TPExecutor
     return TPExecutor(config)

@@ -5,7 +5,7 @@ import logging
 import os
 from pathlib import Path
 
-from engine.model_cache import build_once, models_dir
+from conveyor.engine.model_cache import build_once, models_dir
 
 log = logging.getLogger("conveyor")
 

@@ -3,13 +3,13 @@ by the scheduler after every step's update. Each check names the structure and b
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from engine.prefix_hash import block_hash
-from engine.sequence import SequenceStatus
+from conveyor.engine.prefix_hash import block_hash
+from conveyor.engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
-    from engine.block_manager import BlockManager
-    from engine.persistent_batch import PersistentBatch
-    from engine.scheduler import Scheduler
+    from conveyor.engine.block_manager import BlockManager
+    from conveyor.engine.persistent_batch import PersistentBatch
+    from conveyor.engine.scheduler import Scheduler
 
 
 class InvariantError(AssertionError):

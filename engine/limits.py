@@ -2,8 +2,8 @@
 or LLMEngine offline). Light on purpose (no torch): the router imports it."""
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from engine.stats import cdiv
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.stats import cdiv
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@ import itertools
 
 from tqdm import tqdm
 
-from engine.chat_template import render_chat
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from conveyor.engine.chat_template import render_chat
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import SamplingParams
 
 Prompt = str | dict
 

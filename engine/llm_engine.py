@@ -5,17 +5,17 @@ import time
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
-from engine.core_client import InprocClient, MPClient
-from engine.generation_defaults import GenerationDefaults, load_generation_defaults
-from engine.heap import freeze_startup_heap
-from engine.kv_events import KVEvents
-from engine.limits import RequestLimits
-from engine.messages import AddRequest, CoreOutput
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.core_client import InprocClient, MPClient
+from conveyor.engine.generation_defaults import GenerationDefaults, load_generation_defaults
+from conveyor.engine.heap import freeze_startup_heap
+from conveyor.engine.kv_events import KVEvents
+from conveyor.engine.limits import RequestLimits
+from conveyor.engine.messages import AddRequest, CoreOutput
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.stats import EngineStats
 
 CORE_PARTS = ("scheduler", "block_manager", "executor", "step_trace", "structured", "compiling")
 

@@ -5,9 +5,9 @@ from typing import Any
 
 import msgspec
 
-from engine.kv_events import KVEvents
-from engine.sampling_params import SamplingParams, StructuredParams
-from engine.stats import EngineStats
+from conveyor.engine.kv_events import KVEvents
+from conveyor.engine.sampling_params import SamplingParams, StructuredParams
+from conveyor.engine.stats import EngineStats
 
 _PARAMS = {f.name for f in fields(SamplingParams) if f.init}
 _STRUCTURED = {f.name for f in fields(StructuredParams) if f.init}

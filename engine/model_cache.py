@@ -5,7 +5,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.demo import cache_dir
+from conveyor.engine.demo import cache_dir
 
 
 def models_dir() -> Path:

@@ -9,19 +9,19 @@ from operator import attrgetter, itemgetter
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
-from engine.host_memory import keep_freed_memory
-from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import pack_weights, padded_rows
-from engine.loader import load_weights
-from engine.models.llama import LlamaForCausalLM, head_dim_of
-from engine.parallel import tp_rank
-from engine.persistent_batch import PersistentBatch
-from engine.sampler import SamplingBatch, add_constraints, sample
-from engine.sampling_params import SamplingParams
-from engine.stats import cdiv
-from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
-from kernels import attention_ops
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.host_memory import keep_freed_memory
+from conveyor.engine.layers.attention import AttentionMetadata
+from conveyor.engine.layers.linear import pack_weights, padded_rows
+from conveyor.engine.loader import load_weights
+from conveyor.engine.models.llama import LlamaForCausalLM, head_dim_of
+from conveyor.engine.parallel import tp_rank
+from conveyor.engine.persistent_batch import PersistentBatch
+from conveyor.engine.sampler import SamplingBatch, add_constraints, sample
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.stats import cdiv
+from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from conveyor.kernels import attention_ops
 
 log = logging.getLogger("conveyor")
 
@@ -61,7 +61,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         ops = attention_ops(config.attention_backend)
         if self.rank == 0:
-            log.info("attention backend: %s on %s", ops.name, self.device)
+            isa = f" ({ops.fused.isa})" if ops.fused is not None else ""
+            log.info("attention backend: %s%s on %s", ops.name, isa, self.device)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         with self.device:

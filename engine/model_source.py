@@ -1,12 +1,12 @@
 """Where a model comes from: a built-in name, a local checkpoint, a GGUF file, or a Hugging Face Hub id."""
 from pathlib import Path
 
-from engine.demo import resolve_model as resolve_demo
-from engine.demo import valid_demo_names
-from engine.gguf import gguf_checkpoint
-from engine.hub import hub_checkpoint, is_hub_id
-from engine.smollm2 import NAME as SMOLLM2
-from engine.smollm2 import smollm2_checkpoint
+from conveyor.engine.demo import resolve_model as resolve_demo
+from conveyor.engine.demo import valid_demo_names
+from conveyor.engine.gguf import gguf_checkpoint
+from conveyor.engine.hub import hub_checkpoint, is_hub_id
+from conveyor.engine.smollm2 import NAME as SMOLLM2
+from conveyor.engine.smollm2 import smollm2_checkpoint
 
 
 def resolve_model(name: str, revision: str | None = None) -> str:

@@ -5,10 +5,10 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.messages import CoreOutput
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.messages import CoreOutput
+from conveyor.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conveyor.engine.sampling_params import SamplingParams
 
 
 @dataclass

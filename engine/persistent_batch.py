@@ -3,7 +3,7 @@
 step gathers rows with numpy instead of rebuilding per-sequence Python lists."""
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 
 class PersistentBatch:

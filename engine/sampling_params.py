@@ -53,7 +53,7 @@ class StructuredParams:
             value = getattr(self, self.kind)
             _check(isinstance(value, str) and value, f"structured.{self.kind}", f"must be a non-empty string, got {value!r}")
             self.text = value
-        from engine.structured_output import check_constraint
+        from conveyor.engine.structured_output import check_constraint
         error = check_constraint(self.kind, self.text)
         _check(error is None, f"structured.{self.kind}", f"is not a valid constraint: {error}")
 

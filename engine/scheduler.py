@@ -4,13 +4,13 @@ decode and recompute after preemption are the same rule."""
 import time
 from operator import attrgetter
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.invariants import check_invariants
-from engine.persistent_batch import PersistentBatch
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
-from engine.watermark import Watermark
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.invariants import check_invariants
+from conveyor.engine.persistent_batch import PersistentBatch
+from conveyor.engine.sequence import Sequence, SequenceStatus
+from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from conveyor.engine.watermark import Watermark
 
 
 _run_order = attrgetter("priority", "arrival_time")

@@ -9,8 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from engine.gguf import convert_gguf
-from engine.model_cache import build_once, models_dir
+from conveyor.engine.gguf import convert_gguf
+from conveyor.engine.model_cache import build_once, models_dir
 
 log = logging.getLogger("conveyor")
 

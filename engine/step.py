@@ -3,10 +3,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.sampler import GrammarBitmask
+    from conveyor.engine.sampler import GrammarBitmask
 
 
 @dataclass

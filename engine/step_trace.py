@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.stats import ITERATION_TOKENS_BUCKETS
-from engine.step import SchedulerOutput
+from conveyor.engine.stats import ITERATION_TOKENS_BUCKETS
+from conveyor.engine.step import SchedulerOutput
 
 KINDS = ("prefill", "decode", "padding")
 

@@ -9,8 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from engine.sampler import GrammarBitmask
-from engine.sampling_params import StructuredParams
+from conveyor.engine.sampler import GrammarBitmask
+from conveyor.engine.sampling_params import StructuredParams
 
 log = logging.getLogger("conveyor")
 

@@ -20,10 +20,10 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.config import EngineConfig
-from engine.parallel import check_shardable
-from engine.step import ModelRunnerOutput, SchedulerOutput
-from engine.worker import RankInfo, StepReply, Worker, pack, recv_exact, recv_msg
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.parallel import check_shardable
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.worker import RankInfo, StepReply, Worker, pack, recv_exact, recv_msg
 
 log = logging.getLogger("conveyor")
 T = TypeVar("T")

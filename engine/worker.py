@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import torch
 
-from engine.config import EngineConfig
-from engine.executor import allocate_kv_cache, runner_class
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.executor import allocate_kv_cache, runner_class
 
 HEADER = struct.Struct("<Q")
 

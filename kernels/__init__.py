@@ -18,11 +18,11 @@ class AttentionOps:
 
 def attention_ops(backend: str) -> AttentionOps:
     if backend == "torch":
-        from kernels import reference as mod
+        from conveyor.kernels import reference as mod
     elif backend == "triton":
-        from kernels import triton_ops as mod
+        from conveyor.kernels import triton_ops as mod
     elif backend == "cpu":
-        from kernels import cpu_ops as mod
+        from conveyor.kernels import cpu_ops as mod
         if mod.load() is None:
             raise ValueError("attention_backend 'cpu' needs the C++ CPU kernels, which cannot be built here")
         return AttentionOps(backend, mod.store_kv_cache, mod.paged_decode_attention, mod.paged_prefill_attention,

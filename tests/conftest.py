@@ -31,10 +31,10 @@ def pool_whole(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def backends_line() -> str:
-    from kernels import cpu_ops
-    lib = cpu_ops.load()
-    isa = getattr(cpu_ops, "isa", lambda: "built" if lib is not None else None)()
-    cpp = f"cpu (C++ kernels, {isa})" if lib is not None else "cpu unavailable (the C++ kernels cannot be built here)"
+    from conveyor.kernels import cpu_ops
+    isa = cpu_ops.isa() if cpu_ops.load() is not None else None
+    cpp = f"cpu (C++ kernels, {isa}; this CPU runs {', '.join(cpu_ops.supported_isas())})" if isa else \
+        "cpu unavailable (the C++ kernels cannot be built here)"
     triton = "triton (CUDA)" if torch.cuda.is_available() else "triton (interpreter)"
     return f"CPU capability {torch.backends.cpu.get_cpu_capability()}; backends: torch (reference), {cpp}, {triton}"
 

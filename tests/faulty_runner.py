@@ -1,8 +1,8 @@
 """A real ModelRunner that raises after the step whose new requests include a MARKED prompt: the model-step
 fault the engine must survive. Plugged in through EngineConfig.model_runner_cls (so it runs in the core
 process too)."""
-from engine.model_runner import ModelRunner
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 MARK = [777, 778, 779]
 RUNNER = "tests.faulty_runner:FaultyRunner"

@@ -1,8 +1,8 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.model_source import resolve_model
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.model_source import resolve_model
 
 PROMPTS = [
     "def",

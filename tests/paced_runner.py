@@ -2,8 +2,8 @@
 token count, whatever the machine's speed, so a drain-timeout test knows which requests cannot finish."""
 import time
 
-from engine.model_runner import ModelRunner
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 STEP_S = 0.02
 RUNNER = "tests.paced_runner:PacedRunner"

@@ -15,7 +15,7 @@ import httpx
 import ray
 from ray import serve
 
-from deployments.ingress import use_haproxy
+from conveyor.deployments.ingress import use_haproxy
 
 TEMP_DIRS: list[str] = []
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96,
@@ -122,7 +122,7 @@ def assert_pool_whole(app: Any) -> None:
 @contextmanager
 def serve_app(args: dict[str, Any], env: dict[str, str] | None = None, headers: dict[str, str] | None = None,
               name: str = "default", haproxy: bool = False) -> Iterator[App]:
-    from deployments.app import deploy
+    from conveyor.deployments.app import deploy
     start_ray(env, haproxy)
     port = free_port()
     try:

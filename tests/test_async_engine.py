@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from conveyor.engine import AsyncEngine, EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["in-thread", "core-process"])

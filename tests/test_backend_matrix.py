@@ -11,9 +11,9 @@ import pytest
 import ray
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling_params import StructuredParams
-from kernels import reference
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampling_params import StructuredParams
+from conveyor.kernels import reference
 from tests.helpers import assert_no_leak, hf_greedy, prompt_ids
 
 MODEL = "demo:llama-tiny"
@@ -26,7 +26,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def backend_unavailable(backend: str, dtype: str = "float32") -> str | None:
     """Why `backend` cannot run `dtype` on this machine, or None."""
     if backend == "cpu":
-        from kernels import cpu_ops
+        from conveyor.kernels import cpu_ops
         if cpu_ops.load() is None:
             return "the C++ CPU kernels cannot be built for this CPU (see the run's header)"
         if dtype == "float16":
@@ -107,7 +107,7 @@ def test_prefix_cache_hits(backend: str, prompts: list[list[int]], oracle: list[
 def test_logprobs_equal_transformers(backend: str, prompts: list[list[int]], oracle: list[list[int]]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.model_source import resolve_model
+    from conveyor.engine.model_source import resolve_model
     outs, _ = run(backend, prompts[:3], greedy(logprobs=3), max_num_batched_tokens=16)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32)
     for prompt, want, out in zip(prompts, oracle, outs):
@@ -208,8 +208,8 @@ STEP_SHAPES = {  # (context lengths after the step, new tokens per sequence): de
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_in_every_step_shape(backend: str, shape: str) -> None:
     """The attention layer of each backend equals the float64 reference in every step shape, the empty one too."""
-    from engine.layers.attention import Attention, AttentionMetadata
-    from kernels import attention_ops, cpu_ops
+    from conveyor.engine.layers.attention import Attention, AttentionMetadata
+    from conveyor.kernels import attention_ops, cpu_ops
     if (why := backend_unavailable(backend)) is not None:
         pytest.skip(why)
     lens, q_lens = STEP_SHAPES[shape]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.lengths import Lengths, token_prompts
-from engine import LLM, SamplingParams
-from engine.cli import main
-from engine.step_trace import assign_slots, chrome_trace
+from conveyor.engine import LLM, SamplingParams
+from conveyor.cli import main
+from conveyor.engine.step_trace import assign_slots, chrome_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

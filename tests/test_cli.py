@@ -1,11 +1,11 @@
 import subprocess
 import sys
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 
 def conveyor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "conveyor.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_prints_the_greedy_completion() -> None:

@@ -35,7 +35,7 @@ def cluster() -> Iterator[SimpleNamespace]:
 
 
 def run_apps(**apps: dict[str, Any]) -> None:
-    from deployments.app import AppArgs, build_app
+    from conveyor.deployments.app import AppArgs, build_app
     serve.run_many([serve.RunTarget(build_app(AppArgs(**{**APP, **args})), name=name, route_prefix=f"/{name}")
                     for name, args in apps.items()])
 

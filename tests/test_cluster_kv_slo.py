@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.admission import AdmissionConfig, AdmissionController
-from cluster.admission_actor import AdmissionActor, AdmissionClient
-from cluster.kv_index import KVIndex
-from cluster.prefix_index import PrefixIndex
-from cluster.queue_time import queue_time_s, retry_after_s
-from cluster.routing import Candidate, RouterConfig, choose, score_replicas
-from cluster.stats import Rates, ReplicaStats, block_hashes
-from engine.prefix_hash import block_hashes as engine_block_hashes
+from conveyor.cluster.admission import AdmissionConfig, AdmissionController
+from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
+from conveyor.cluster.kv_index import KVIndex
+from conveyor.cluster.prefix_index import PrefixIndex
+from conveyor.cluster.queue_time import queue_time_s, retry_after_s
+from conveyor.cluster.routing import Candidate, RouterConfig, choose, score_replicas
+from conveyor.cluster.stats import Rates, ReplicaStats, block_hashes
+from conveyor.engine.prefix_hash import block_hashes as engine_block_hashes
 
 
 def stats(rid: str, free: int = 100, total: int = 100, running: int = 0, waiting: int = 0, waiting_tokens: int = 0,
@@ -286,7 +286,7 @@ def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: 
 
 
 def test_lease_shares_split_evenly_and_by_demand_within_headroom():
-    from cluster.leases import Leases
+    from conveyor.cluster.leases import Leases
     book = Leases(ttl_s=1.0)
     assert book.grant("r1", {"a": 100}, 0.0, demand=0, routers=2) == {"a": 50}
     assert book.grant("r2", {"a": 100}, 0.0, demand=30, routers=2) == {"a": 50}  # r1 holds 50
@@ -331,7 +331,7 @@ def test_count_output_blocks_charges_the_likely_output_not_an_unset_max_tokens()
 
 
 def test_output_lengths_quantile_of_the_longer_recent_outputs():
-    from engine.output_lengths import OutputLengths
+    from conveyor.engine.output_lengths import OutputLengths
     lengths = OutputLengths(window=20, quantile=0.9, min_samples=10)
     for n in range(1, 10):
         lengths.add(n * 10)
@@ -355,7 +355,7 @@ def test_a_cold_replica_expects_its_prior_not_an_unset_max_tokens():
     """Before 16 requests have finished, a request that asks for the rest of the context is expected to run
     EngineConfig.cold_output_tokens (256), and the replica reports that as a new request's likely length, so
     count_output_blocks charges 16 blocks, not 125; cold_output_tokens 0 charges max_tokens as before."""
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
     for prior, likely, left in ((256, 256, 255), (0, 0, 1999)):
         llm = LLM("demo:tiny", dtype="float32", num_blocks=256, block_size=16, max_num_batched_tokens=512,
                   cold_output_tokens=prior)
@@ -382,7 +382,7 @@ def test_admission_commits_room_only_up_to_the_high_watermark():
 def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     """The engine's stat that count_output_blocks charges: every request's blocks still to come if it runs to
     max_tokens, waiting ones included (before, only running requests' tokens_left were summed)."""
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
     llm = LLM("demo:tiny", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=1, max_num_batched_tokens=64)
     engine = llm.engine
     for i, (prompt, out) in enumerate([(20, 30), (40, 100)]):
@@ -408,7 +408,7 @@ def test_engine_bounds_growth_by_how_long_outputs_run():
     """Requests that ask for 200 tokens but stop at 12 (max_tokens here stands for a stop): once 16 have finished,
     a new one's growth and tokens_left count 12 tokens, not 200, and the replica reports 12 as a new request's
     likely length. A request that outlives every finished one is charged its max_tokens again."""
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
     llm = LLM("demo:tiny", dtype="float32", num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
     llm.generate([{"prompt_token_ids": [5 + i] * 20} for i in range(16)], SamplingParams(max_tokens=12, ignore_eos=True))
     core = llm.engine.core.core

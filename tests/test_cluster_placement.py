@@ -1,12 +1,12 @@
 """Placement by expected TTFT, without Ray: prefix affinity against queue time, hot prefixes spread by cache
 capacity, KV demand that charges only uncached blocks, and the rates and queue time that feed them."""
-from cluster.admission import AdmissionConfig, AdmissionController, demand, waiting_blocks
-from cluster.hot_blocks import HotBlocks
-from cluster.placement import Option, cost_s, rank
-from cluster.prefix_index import PrefixIndex
-from cluster.queue_time import queue_time_s
-from cluster.routing import Candidate, RouterConfig, choose, score_replicas
-from cluster.stats import Rates, ReplicaStats, block_hashes
+from conveyor.cluster.admission import AdmissionConfig, AdmissionController, demand, waiting_blocks
+from conveyor.cluster.hot_blocks import HotBlocks
+from conveyor.cluster.placement import Option, cost_s, rank
+from conveyor.cluster.prefix_index import PrefixIndex
+from conveyor.cluster.queue_time import queue_time_s
+from conveyor.cluster.routing import Candidate, RouterConfig, choose, score_replicas
+from conveyor.cluster.stats import Rates, ReplicaStats, block_hashes
 
 
 def stats(rid: str, free: int = 200, total: int = 200, running: int = 0, waiting: int = 0, waiting_tokens: int = 0,

@@ -7,15 +7,15 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from cluster.admission import AdmissionConfig, AdmissionController, Decision, prometheus_text
-from cluster.watermarks import Watermarks
-from cluster.admission_actor import AdmissionActor, AdmissionClient
-from cluster.autoscaling import KVCacheAutoscalingPolicy, KVScalingConfig, autoscaling_metrics, desired_replicas
-from cluster.prefix_index import PrefixIndex
-from cluster.routing import (Candidate, KVAwareRequestRouter, RouterConfig, RoutingHint, choose, find_hint,
+from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision, prometheus_text
+from conveyor.cluster.watermarks import Watermarks
+from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
+from conveyor.cluster.autoscaling import KVCacheAutoscalingPolicy, KVScalingConfig, autoscaling_metrics, desired_replicas
+from conveyor.cluster.prefix_index import PrefixIndex
+from conveyor.cluster.routing import (Candidate, KVAwareRequestRouter, RouterConfig, RoutingHint, choose, find_hint,
                              score_replicas)
-from cluster.stats import ReplicaStats, block_hashes, num_blocks, push_due
-from engine.stats import EngineStats
+from conveyor.cluster.stats import ReplicaStats, block_hashes, num_blocks, push_due
+from conveyor.engine.stats import EngineStats
 
 
 def rs(rid: str, used: int = 0, total: int = 100, waiting: int = 0, waiting_tokens: int = 0, running: int = 0,
@@ -553,7 +553,7 @@ SERVE_YAML = """
 applications:
 - name: conveyor
   route_prefix: /
-  import_path: deployments.app:app
+  import_path: conveyor.deployments.app:app
   deployments:
   - name: LLMReplica
     max_ongoing_requests: 64
@@ -564,11 +564,11 @@ applications:
       upscale_delay_s: 0
       downscale_delay_s: 0
       policy:
-        policy_function: cluster.autoscaling:KVCacheAutoscalingPolicy
+        policy_function: conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy
         policy_kwargs: {target_kv_utilization: 0.7, tolerance: 0.1, target_waiting_per_replica: 4,
                         upscale_delay_s: 5, downscale_delay_s: 60}
     request_router_config:
-      request_router_class: cluster.routing:KVAwareRequestRouter
+      request_router_class: conveyor.cluster.routing:KVAwareRequestRouter
       request_routing_stats_period_s: 0.5
       request_routing_stats_timeout_s: 2
       request_router_kwargs: {affinity_weight: 1.0, headroom_weight: 0.5, queue_weight: 0.5,

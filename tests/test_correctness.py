@@ -78,7 +78,7 @@ def test_prefix_cache_hits_do_not_change_outputs(oracle) -> None:
 
 
 def llm_params(max_tokens: int = MAX_TOKENS):
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -95,8 +95,8 @@ def test_half_precision_matches_float32_up_to_near_ties(oracle, dtype: str) -> N
     TIE_MARGIN[dtype] of the top logit; what follows a flipped token is another context and is not compared."""
     import torch
     from transformers import AutoModelForCausalLM
-    from engine import LLM, SamplingParams
-    from engine.model_source import resolve_model
+    from conveyor.engine import LLM, SamplingParams
+    from conveyor.engine.model_source import resolve_model
     prompts, expected = oracle("demo:llama-tiny")
     llm = LLM("demo:llama-tiny", dtype=dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -139,9 +139,9 @@ def test_last_layer_on_sampled_tokens_only_matches_every_token() -> None:
     and the same K/V cache."""
     import torch
 
-    from engine import LLM
-    from engine.sampling_params import SamplingParams
-    from engine.step import NewRequestData, ScheduledChunk
+    from conveyor.engine import LLM
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.engine.step import NewRequestData, ScheduledChunk
 
     runner = LLM("demo:tiny", dtype="float32").engine.core.core.executor.runner
     a, b = list(range(5, 45)), list(range(100, 130))

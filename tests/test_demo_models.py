@@ -12,8 +12,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import demo
-from engine.demo import make_model, resolve_model
+from conveyor.engine import demo
+from conveyor.engine.demo import make_model, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",

@@ -1,8 +1,8 @@
 from transformers import AutoTokenizer
 
-from engine.demo import resolve_model
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from conveyor.engine.demo import resolve_model
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.sampling_params import SamplingParams
 
 TEXT = "naïve café — 東京タワー 🚀🚀 Zürich ok"
 

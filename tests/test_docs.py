@@ -81,7 +81,7 @@ def test_slugs_follow_github() -> None:
 
 
 def test_configuration_page_is_generated() -> None:
-    from deployments.config_docs import COMMAND, render
+    from conveyor.deployments.config_docs import COMMAND, render
     expected = render()
     actual = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert actual == expected, f"docs/configuration.md is out of date: run `{COMMAND}`"

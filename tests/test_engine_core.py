@@ -12,10 +12,10 @@ from typing import Callable
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.async_engine import RequestFailed
-from engine.core_client import EngineCoreDied
-from engine.core_priority import REFRESH_S, CorePriority
+from conveyor.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from conveyor.engine.async_engine import RequestFailed
+from conveyor.engine.core_client import EngineCoreDied
+from conveyor.engine.core_priority import REFRESH_S, CorePriority
 from tests.faulty_runner import MARK, RUNNER
 from tests.helpers import hf_greedy, prompt_ids
 

@@ -23,7 +23,7 @@ import ray
 import yaml
 from ray import serve
 
-from cluster.admission_actor import AdmissionActor, AdmissionClient
+from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
 from tests.paced_runner import RUNNER as PACED
 from tests.serve_app import TEMP_DIRS
 from tests.test_serve_e2e import ROOT, free_port, start_ray, stop_ray
@@ -49,7 +49,7 @@ def eventually(check: Callable[[], Any], timeout: float, what: str, every: float
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SimpleNamespace]:
-    from deployments.app import AppArgs, build_app
+    from conveyor.deployments.app import AppArgs, build_app
     address = start_ray()
     port = free_port()
     try:
@@ -190,7 +190,7 @@ def test_admission_client_fails_open_while_the_actor_is_unreachable(caplog: pyte
         return actor
 
     async def scenario() -> None:
-        from engine.stats import EngineStats
+        from conveyor.engine.stats import EngineStats
         client = AdmissionClient(get_actor)
         body.report({**EngineStats(kv_blocks_total=10, kv_blocks_free=10).to_dict(), "replica_id": "r"})
         d = await client.decide(2)
@@ -230,7 +230,7 @@ def test_a_router_that_never_reached_the_actor_syncs_before_deciding_instead_of_
         return actor
 
     async def scenario() -> None:
-        from engine.stats import EngineStats
+        from conveyor.engine.stats import EngineStats
         client = AdmissionClient(get_actor)
         with pytest.raises(ConnectionError):
             await client.refresh()
@@ -249,7 +249,7 @@ def test_local_stream_cancel_ends_a_read_in_progress() -> None:
     from another task ends the pending read with RequestCancelledError after the generator's own cleanup ran,
     and the reading task is not left cancelled; cancel() between reads closes the generator."""
     from ray.serve.exceptions import RequestCancelledError
-    from deployments.server import LocalStream
+    from conveyor.deployments.server import LocalStream
 
     async def scenario() -> None:
         cleaned: list[str] = []
@@ -359,7 +359,7 @@ def test_killed_admission_actor_fails_open_and_comes_back(cluster: SimpleNamespa
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_tp_worker_makes_the_replica_unhealthy_and_it_is_replaced(cluster: SimpleNamespace) -> None:
-    from deployments.app import AppArgs, build_app
+    from conveyor.deployments.app import AppArgs, build_app
     args = AppArgs(**{**APP, "engine": {**APP["engine"], "tensor_parallel_size": 2}, "worker_num_cpus": 0.25})
     serve.run(build_app(args), name="tp", route_prefix="/tp")
     http = httpx.Client(base_url=f"{cluster.url}/tp", timeout=60)
@@ -388,7 +388,7 @@ def test_killed_tp_worker_makes_the_replica_unhealthy_and_it_is_replaced(cluster
 
 def launch_config(tmp_path: Path, port: int, name: str, args: dict[str, Any]) -> Path:
     config = {"http_options": {"host": "127.0.0.1", "port": port},
-              "applications": [{"name": name, "route_prefix": f"/{name}", "import_path": "deployments.app:build_app",
+              "applications": [{"name": name, "route_prefix": f"/{name}", "import_path": "conveyor.deployments.app:build_app",
                                 "args": args}]}
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -416,7 +416,7 @@ class Output(threading.Thread):
 def test_sigint_on_serve_run_cuts_requests_in_flight(cluster: SimpleNamespace, tmp_path: Path) -> None:
     """Ray's own `serve run` does not drain: on SIGINT it calls serve.shutdown(), whose controller kills the
     HTTP proxy in the same tick as the replicas (Ray Serve 2.60), so requests in flight are CUT (connection
-    closed), not finished and not told why. `python -m deployments.launch` is the start command that drains
+    closed), not finished and not told why. `python -m conveyor.deployments.launch` is the start command that drains
     (the next test). Steps here take >= 20 ms (tests/paced_runner.py), so no 300-token request can finish
     before the shutdown. The child gets SIGINT back to the default handler, as a background job of a shell
     would not."""
@@ -449,7 +449,7 @@ def test_sigint_on_serve_run_cuts_requests_in_flight(cluster: SimpleNamespace, t
 
 @pytest.mark.slow
 def test_launcher_drains_on_sigint(cluster: SimpleNamespace, tmp_path: Path) -> None:
-    """Last in the module: `python -m deployments.launch` deploys a config (replacing the apps on the cluster,
+    """Last in the module: `python -m conveyor.deployments.launch` deploys a config (replacing the apps on the cluster,
     as `serve run` does) and SIGINT drains it. Steps take >= 20 ms (tests/paced_runner.py), so a 900-token
     request needs >= 18 s and cannot finish within the 8 s drain timeout, while 100-token ones have ~5x slack.
     In flight at the signal: 3 streaming + 3 plain short requests, which finish in full, and 1 + 1 long ones,
@@ -459,7 +459,7 @@ def test_launcher_drains_on_sigint(cluster: SimpleNamespace, tmp_path: Path) -> 
     drain_s, short, long_ = 8.0, 100, 900
     path = launch_config(tmp_path, cluster.port, "launch", {**APP, "engine": {**APP["engine"],
                                                                                "model_runner_cls": PACED}})
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", "--address", cluster.address,
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.deployments.launch", "--address", cluster.address,
                              "--drain-timeout", str(drain_s), str(path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, url = Output(proc), f"{cluster.url}/launch"

@@ -3,7 +3,7 @@ import sys
 
 SCRIPT = """
 import resource, sys, torch
-from engine.host_memory import keep_freed_memory
+from conveyor.engine.host_memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
 def step():
     x = torch.empty(48 << 18)  # 48 MiB of float32, above glibc's largest default mmap threshold

@@ -2,13 +2,13 @@
 and catches each kind of corruption of the block pool, the tables, the swap slots and the persistent batch."""
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.invariants import InvariantError, check_invariants
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step import ModelRunnerOutput
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.invariants import InvariantError, check_invariants
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.step import ModelRunnerOutput
 from tests.helpers import assert_no_leak
 
 EOS = 2

@@ -7,8 +7,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import attention_ops, reference  # noqa: E402
-from kernels import triton_ops  # noqa: E402
+from conveyor.kernels import attention_ops, reference  # noqa: E402
+from conveyor.kernels import triton_ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

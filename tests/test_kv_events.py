@@ -4,9 +4,9 @@ import random
 import sys
 import subprocess
 
-from engine import LLM, SamplingParams
-from engine.kv_events import KVEventLog
-from engine.prefix_hash import block_hashes
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.kv_events import KVEventLog
+from conveyor.engine.prefix_hash import block_hashes
 
 
 def apply(index: set[bytes], events) -> None:

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.demo import resolve_model
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.demo import resolve_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -6,13 +6,13 @@ from collections import defaultdict
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step import ModelRunnerOutput, SchedulerOutput
-from engine.watermark import Watermark
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.watermark import Watermark
 from tests.helpers import assert_no_leak
 
 EOS = 2

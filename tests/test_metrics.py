@@ -13,9 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.admission_actor import AdmissionActor
-from deployments.metrics import ReplicaMetrics, RouterMetrics, render
-from engine import LLM, EngineStats, SamplingParams
+from conveyor.cluster.admission_actor import AdmissionActor
+from conveyor.deployments.metrics import ReplicaMetrics, RouterMetrics, render
+from conveyor.engine import LLM, EngineStats, SamplingParams
 from tests.serve_app import App, app_at
 
 
@@ -100,7 +100,7 @@ def app() -> Iterator[App]:
     start_ray()
     port = free_port()
     try:
-        from deployments.app import deploy
+        from conveyor.deployments.app import deploy
         deploy({"engine": ENGINE, "replica_num_cpus": 0.5, "router_num_cpus": 0.25, "router_replicas": 2,
                 "torch_threads": 1, "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -231,7 +231,7 @@ def test_grafana_dashboard_queries_only_exported_series() -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("pool_whole")
 def test_bench_serve_end_to_end_agrees_with_the_metrics(app: App, tmp_path: Path) -> None:
-    from engine.cli import main
+    from conveyor.cli import main
     before = samples(app.http.get("/metrics").text)
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     assert main(["bench", "serve", "--base-url", app.url, "--num-requests", "6", "--request-rate", "20",

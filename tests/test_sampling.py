@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from engine import LLM, SamplingParams
-from engine.model_source import resolve_model
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.model_source import resolve_model
 from tests.helpers import PROMPTS, assert_no_leak
 
 
@@ -203,7 +203,7 @@ def test_request_larger_than_cache_is_refused() -> None:
 
 
 def test_bad_engine_config_names_the_field() -> None:
-    from engine import EngineConfig
+    from conveyor.engine import EngineConfig
     for kwargs, field in [({"block_size": 12}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
                           ({"scheduling_policy": "fifo"}, "scheduling_policy"),
                           ({"attention_backend": "cuda"}, "attention_backend"),

@@ -1,12 +1,12 @@
 """Property tests of scheduler + block pool with random arrivals, lengths and aborts."""
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step import ModelRunnerOutput
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.step import ModelRunnerOutput
 
 EOS = 2
 BASE = EngineConfig(model="demo:tiny")

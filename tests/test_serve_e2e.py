@@ -80,7 +80,7 @@ def server() -> Iterator[App]:
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[object]:
-    from engine import LLM
+    from conveyor.engine import LLM
     llm = LLM(**ENGINE, model="demo:tiny")
     yield llm
     llm.shutdown() if hasattr(llm, "shutdown") else None
@@ -101,7 +101,7 @@ def test_models_health_metrics(server: App) -> None:
 
 @pytest.mark.usefixtures("pool_whole")
 def test_greedy_matches_offline_engine(server: App, offline: object) -> None:
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
     out = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     r = server.http.post("/v1/completions", json={"model": "demo:tiny", "prompt": PROMPT, "max_tokens": 24,
                                                   "temperature": 0, "ignore_eos": True})
@@ -237,8 +237,8 @@ def test_metrics_after_traffic(server: App) -> None:
 
 @pytest.mark.usefixtures("pool_whole")
 def test_tensor_parallel_replica(server: App, offline: object) -> None:
-    from deployments.app import AppArgs, build_app
-    from engine import SamplingParams
+    from conveyor.deployments.app import AppArgs, build_app
+    from conveyor.engine import SamplingParams
     args = AppArgs(engine={**ENGINE, "tensor_parallel_size": 2}, replica_num_cpus=0.1, worker_num_cpus=0.4,
                    router_num_cpus=0.1)
     assert ray.available_resources().get("CPU", 0) >= 1.0 - 1e-6, "no room for the TP app's placement group"
@@ -254,8 +254,8 @@ def test_tensor_parallel_replica(server: App, offline: object) -> None:
 
 def test_single_deployment_topology(server: App, offline: object) -> None:
     """Router and replica in one deployment (no handle hop): same greedy text, streams, health."""
-    from deployments.app import AppArgs, build_app
-    from engine import SamplingParams
+    from conveyor.deployments.app import AppArgs, build_app
+    from conveyor.engine import SamplingParams
     args = AppArgs(engine=ENGINE, topology="single", request_router=None, admission=None, replica_num_cpus=0.5,
                    torch_threads=1)
     serve.run(build_app(args), name="single", route_prefix="/single")

@@ -4,10 +4,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
-import deployments.app as apps
-import deployments.router as router_module
-from deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest
-from deployments.responses import DONE, ResponseBuilder, merge_deltas, sse_error
+import conveyor.deployments.app as apps
+import conveyor.deployments.router as router_module
+from conveyor.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest
+from conveyor.deployments.responses import DONE, ResponseBuilder, merge_deltas, sse_error
 
 
 def delta(index: int, text: str, ids: list[int], finish: str | None = None,
@@ -190,7 +190,7 @@ def test_replica_placement() -> None:
 
 def test_cluster_layer_options() -> None:
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
-    from cluster.autoscaling import KVCacheAutoscalingPolicy
+    from conveyor.cluster.autoscaling import KVCacheAutoscalingPolicy
     opts = apps.AppArgs(engine={"block_size": 32}, request_router={"affinity_weight": 2.0},
                        kv_autoscaling={"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2,
                                        "policy": {"target_kv_utilization": 0.6, "downscale_delay_s": 9}}).replica_options()
@@ -200,7 +200,7 @@ def test_cluster_layer_options() -> None:
     policy = _resolve_policy_callable(scaling.policy)
     assert isinstance(policy, KVCacheAutoscalingPolicy) and policy.config.target_kv_utilization == 0.6
     router = opts["request_router_config"]
-    assert router.request_router_class == "cluster.routing:KVAwareRequestRouter"
+    assert router.request_router_class == "conveyor.cluster.routing:KVAwareRequestRouter"
     assert router.request_router_kwargs == {"affinity_weight": 2.0, "block_size": 32}
     (actor,) = opts["deployment_actors"]
     assert actor.name == "admission" and actor.init_kwargs == {"config": {"affinity_weight": 2.0, "block_size": 32}}

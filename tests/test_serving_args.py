@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from deployments.app import AppArgs, build_app
+from conveyor.deployments.app import AppArgs, build_app
 
 
 @pytest.mark.parametrize("args, field", [
@@ -47,10 +47,10 @@ def test_topologies_build_the_deployments_they_name() -> None:
 
 def test_the_http_router_imports_no_torch() -> None:
     """The light edge: the router (and the request types, limits and tokenizer it uses) loads without torch."""
-    code = ("import sys, deployments.router as r; from engine.model_source import resolve_model; "
+    code = ("import sys, conveyor.deployments.router as r; from conveyor.engine.model_source import resolve_model; "
             "t = r.PreTrainedTokenizerFast.from_pretrained(resolve_model('demo:tiny')); t('hi'); "
             "r.RequestLimits(8192, 64, 16, 4).check(t('hi').input_ids, r.SamplingParams(max_tokens=4)); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels') "
-            "or m.startswith(('engine.models', 'engine.model_runner', 'engine.layers'))))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+            "or m.startswith(('conveyor.kernels', 'conveyor.engine.models', 'conveyor.engine.model_runner', 'conveyor.engine.layers'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -5,14 +5,14 @@ PersistentBatch kept as the model runner keeps it; at the end every request fini
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.invariants import check_invariants
-from engine.persistent_batch import PersistentBatch
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.invariants import check_invariants
+from conveyor.engine.persistent_batch import PersistentBatch
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence, SequenceStatus
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 BASE = EngineConfig(model="demo:tiny")

@@ -43,7 +43,7 @@ class Capital(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[App]:
-    from deployments.app import deploy
+    from conveyor.deployments.app import deploy
     start_ray()
     port = free_port()
     try:

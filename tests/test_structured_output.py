@@ -5,8 +5,8 @@ import threading
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.sampling_params import StructuredParams
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampling_params import StructuredParams
 from tests.helpers import assert_no_leak
 
 PERSON = {"type": "object", "properties": {

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from deployments.token_channel import IDLE_CLOSE_S, TokenInbox, TokenOutbox, follow
+from conveyor.deployments.token_channel import IDLE_CLOSE_S, TokenInbox, TokenOutbox, follow
 
 
 async def handle_call(result: Any, delay_s: float = 0.0) -> Any:

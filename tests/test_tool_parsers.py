@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from deployments.protocol import ChatCompletionRequest, NamedToolChoice, Tool
-from deployments.tool_parsers import HermesToolParser
+from conveyor.deployments.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from conveyor.deployments.tool_parsers import HermesToolParser
 
 TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')

@@ -8,9 +8,9 @@ import pytest
 import ray
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_runner import ModelRunner
-from engine.step import NewRequestData, ScheduledChunk
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.step import NewRequestData, ScheduledChunk
 from tests.helpers import assert_no_leak, engine_greedy, prompt_ids
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import AttentionOps
+from conveyor.kernels import AttentionOps
 
 
 @dataclass

@@ -2,8 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import matmul
-from engine.parallel import all_reduce, divide, gather_to_rank0, tp_rank, tp_size
+from conveyor.engine.layers.linear import matmul
+from conveyor.engine.parallel import all_reduce, divide, gather_to_rank0, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

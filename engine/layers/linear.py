@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel import all_reduce, divide, tp_rank, tp_size
-from engine.stats import cdiv
+from conveyor.engine.parallel import all_reduce, divide, tp_rank, tp_size
+from conveyor.engine.stats import cdiv
 
 
 def _rows(loaded, start: int, size: int) -> torch.Tensor:

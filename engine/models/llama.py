@@ -6,12 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from kernels import AttentionOps
+from conveyor.engine.layers.attention import Attention, AttentionMetadata
+from conveyor.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from conveyor.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from conveyor.engine.layers.norm import RMSNorm
+from conveyor.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from conveyor.kernels import AttentionOps
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

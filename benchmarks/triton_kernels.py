@@ -1,7 +1,7 @@
 """GPU check of the Triton paged-attention kernels: correctness against kernels.reference, then
 timing against torch SDPA (flash backend, padded dense K/V) for decode and prefill shapes.
 
-    python benchmarks/kernels.py --quick      # ~5 min on one GPU; prints a table, exits 1 on a mismatch
+    python -m benchmarks.triton_kernels --quick      # ~5 min on one GPU; prints a table, exits 1 on a mismatch
 
 Decode reports achieved bandwidth (K/V bytes read / time); prefill reports TFLOP/s and the ratio to
 SDPA. Without CUDA it says so, runs a tiny correctness pass under the Triton interpreter, exits 0.
@@ -15,11 +15,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton.testing  # noqa: E402
 
-from kernels import reference, triton_ops  # noqa: E402
+from conveyor.kernels import reference, triton_ops  # noqa: E402
 
 MODELS = {  # name: (num_heads, num_kv_heads, head_dim)
     "qwen2.5-0.5b": (14, 2, 64),
