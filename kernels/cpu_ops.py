@@ -1,7 +1,14 @@
-"""C++ CPU kernels (kernels/csrc/, AVX-512): paged attention reading the block cache in place and
-the KV store (paged_attention.h), fused RMSNorm(+residual), SiLU·mul and RoPE, thread binding
-(cpu_ops.cpp). Built once with torch's cpp_extension on first use and cached per CPU; `load()` is
-None where they cannot run.
+"""C++ CPU kernels (kernels/csrc/): paged attention reading the block cache in place and the KV store
+(paged_attention.h), the small-batch matmul over packed weights (gemm.h), fused RMSNorm(+residual),
+SiLU·mul and RoPE, thread binding (cpu_ops.cpp).
+
+One source, compiled per instruction set: vec.h implements its 16-lane vector once for each ISA, and
+each ISA is its own extension module, built with torch's cpp_extension on first use and cached under a
+name holding the ISA and a digest of the sources, flags and torch version. ISAS lists them best first:
+`load()` takes the best this CPU runs, or the one the environment variable CONVEYOR_CPU_ISA names (None,
+with the reason logged, where this CPU cannot run it); CONVEYOR_CPU_KERNELS=0 turns them all off. Every
+build does the same operations in the same order, so results are bit-identical across ISAs, except that
+the avx512bf16 build's bfloat16 instructions flush subnormals to zero.
 
 The caches keep the engine's [num_blocks, block_size, kv_heads, head_dim] shape, but inside a block
 these kernels lay K out as [kv_heads, head_dim, block_size] and V as [kv_heads, block_size, head_dim]
@@ -11,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from types import ModuleType
@@ -19,10 +27,25 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "cpu_ops.cpp"  # one translation unit; it includes the headers beside it
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
-# -fopenmp: at::parallel_for is a header template; without it the kernels' loops run on one thread
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-          "-ffp-contract=off"]
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# ISA -> the /proc/cpuinfo flags it needs (x86) and its compiler flags, best first. generic runs anywhere.
+ISA_CPU_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512bf16": _AVX512 + ("avx512_bf16",),
+    "avx512": _AVX512,
+    "avx2": ("avx2", "fma", "f16c"),
+    "generic": (),
+}
+ISA_CFLAGS: dict[str, list[str]] = {
+    "avx512bf16": ["-DCONVEYOR_ISA_AVX512BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                   "-mavx512bf16", "-mfma"],
+    "avx512": ["-DCONVEYOR_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "avx2": ["-DCONVEYOR_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "generic": ["-DCONVEYOR_ISA_GENERIC"],
+}
+ISAS = tuple(ISA_CFLAGS)
+# -fopenmp: at::parallel_for is a header template; without it the kernels' loops run on one thread.
+# -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for fma.
+COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 log = logging.getLogger("conveyor")
 
 
@@ -35,24 +58,66 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
-@functools.cache
-def load() -> ModuleType | None:
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def missing_cpu_flags(isa: str) -> list[str]:
+    """The /proc/cpuinfo flags `isa` needs that this CPU lacks (["x86"] off x86 for the x86 ISAs)."""
+    needed = ISA_CPU_FLAGS[isa]
+    if needed and not _is_x86():
+        return ["x86"]
+    flags = _cpu_flags()
+    return [f for f in needed if f not in flags]
+
+
+def supported_isas() -> list[str]:
+    """The ISAs this CPU can run, best first (generic always)."""
+    return [isa for isa in ISAS if not missing_cpu_flags(isa)]
+
+
+def cflags(isa: str) -> list[str]:
+    return COMMON_CFLAGS + ISA_CFLAGS[isa]
+
+
+def module_name(isa: str) -> str:
+    """The extension's cache name: the ISA and a digest of the sources, its flags and torch's version."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()))
+                            + " ".join(cflags(isa)).encode()
+                            + torch.__version__.encode()).hexdigest()[:12]
+    return f"conveyor_cpu_ops_{isa}_{digest}"
+
+
+def load(isa: str | None = None) -> ModuleType | None:
+    """The kernels compiled for `isa`, else for CONVEYOR_CPU_ISA, else for the best ISA this CPU runs;
+    None (the reason logged) where that ISA cannot run or build here, or with CONVEYOR_CPU_KERNELS=0."""
     if os.environ.get("CONVEYOR_CPU_KERNELS", "1") == "0":
         return None
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        log.info("C++ CPU kernels off: the CPU lacks %s", ", ".join(missing))
+    return _load(isa or os.environ.get("CONVEYOR_CPU_ISA") or supported_isas()[0])
+
+
+def isa() -> str | None:
+    """The ISA of the kernels `load()` gives, or None where it gives none."""
+    lib = load()
+    return None if lib is None else lib.isa
+
+
+@functools.cache
+def _load(isa: str) -> ModuleType | None:
+    if isa not in ISA_CFLAGS:
+        log.warning("C++ CPU kernels off: unknown ISA %r (CONVEYOR_CPU_ISA takes one of %s)", isa, ", ".join(ISAS))
         return None
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()))
-                            + " ".join(CFLAGS).encode()
-                            + torch.__version__.encode()).hexdigest()[:12]
+    missing = missing_cpu_flags(isa)
+    if missing:
+        log.warning("C++ CPU kernels off: the CPU lacks %s for ISA %s", ", ".join(missing), isa)
+        return None
+    name = module_name(isa)
     try:
         from torch.utils.cpp_extension import load as build
-        clear_stale_lock(f"conveyor_cpu_ops_{digest}")
-        return build(name=f"conveyor_cpu_ops_{digest}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                     extra_ldflags=["-fopenmp"])
+        clear_stale_lock(name)
+        return build(name=name, sources=[str(SOURCE)], extra_cflags=cflags(isa), extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: the pure-torch path still runs
-        log.warning("C++ CPU kernels unavailable (%s); using the torch reference", e)
+        log.warning("C++ CPU kernels (%s) unavailable (%s); using the torch reference", isa, e)
         return None
 
 

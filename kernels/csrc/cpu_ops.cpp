@@ -1,7 +1,7 @@
-// CPU kernels for the engine's hot path (AVX-512): paged attention that reads the block cache in
-// place (paged_attention.h), and the fused elementwise ops of a Llama layer. Elementwise ops round
-// where torch's eager ops round, so float32 and bfloat16 results match kernels/reference.py and
-// transformers up to summation order.
+// CPU kernels for the engine's hot path, compiled once per ISA (vec.h): paged attention that reads the
+// block cache in place (paged_attention.h), the small-batch matmul (gemm.h), and the fused elementwise ops
+// of a Llama layer. Elementwise ops round where torch's eager ops round, so float32 and bfloat16 results
+// match kernels/reference.py and transformers up to summation order.
 #include <sched.h>
 
 #include "gemm.h"
@@ -17,20 +17,20 @@ void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t n, int64_t h, floa
     for (int64_t t = b; t < e; ++t) {
       T* xr = x + t * h;
       T* rr = residual + t * h;
-      __m512 ss = _mm512_setzero_ps();
+      f32x16 ss = zero();
       for (int64_t i = 0; i < h; i += 16) {
-        __m512 v = load16(xr + i);
+        f32x16 v = load16(xr + i);
         if (add) {
-          v = rnd<T>(_mm512_add_ps(v, load16(rr + i)));
+          v = rnd<T>(v + load16(rr + i));
           store16(rr + i, v);
         }
-        _mm512_storeu_ps(row.data() + i, v);
-        ss = _mm512_fmadd_ps(v, v, ss);
+        store16(row.data() + i, v);
+        ss = fma(v, v, ss);
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(h) + eps));
+      const f32x16 inv = set1(1.0f / std::sqrt(reduce_add(ss) / float(h) + eps));
       for (int64_t i = 0; i < h; i += 16) {
-        __m512 normed = rnd<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), inv));
-        store16(xr + i, _mm512_mul_ps(load16(w + i), normed));
+        const f32x16 normed = rnd<T>(load16(row.data() + i) * inv);
+        store16(xr + i, load16(w + i) * normed);
       }
     }
   });
@@ -54,10 +54,9 @@ void silu_mul_rows(const T* gu, T* out, int64_t n, int64_t h) {
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t)
       for (int64_t i = 0; i < h; i += 16) {
-        __m512 g = load16(gu + t * 2 * h + i);
-        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        silu = rnd<T>(silu);
-        store16(out + t * h + i, _mm512_mul_ps(silu, load16(gu + t * 2 * h + h + i)));
+        const f32x16 g = load16(gu + t * 2 * h + i);
+        const f32x16 silu = rnd<T>(g / (set1(1.0f) + exp16(zero() - g)));
+        store16(out + t * h + i, silu * load16(gu + t * 2 * h + h + i));
       }
   });
 }
@@ -86,12 +85,12 @@ void rope_rows(T* x, int64_t tok_stride, int64_t heads, int64_t d, const int64_t
     for (int64_t hh = 0; hh < heads; ++hh) {
       T* xr = x + t * tok_stride + hh * d;
       for (int64_t i = 0; i < half; i += 16) {
-        __m512 x1 = load16(xr + i), x2 = load16(xr + half + i);
-        __m512 c1 = rnd<T>(_mm512_loadu_ps(c + i)), s1 = rnd<T>(_mm512_loadu_ps(s + i));
-        __m512 c2 = rnd<T>(_mm512_loadu_ps(c + half + i)), s2 = rnd<T>(_mm512_loadu_ps(s + half + i));
-        __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-        __m512 o1 = _mm512_add_ps(rnd<T>(_mm512_mul_ps(x1, c1)), rnd<T>(_mm512_mul_ps(neg_x2, s1)));
-        __m512 o2 = _mm512_add_ps(rnd<T>(_mm512_mul_ps(x2, c2)), rnd<T>(_mm512_mul_ps(x1, s2)));
+        const f32x16 x1 = load16(xr + i), x2 = load16(xr + half + i);
+        const f32x16 c1 = rnd<T>(load16(c + i)), s1 = rnd<T>(load16(s + i));
+        const f32x16 c2 = rnd<T>(load16(c + half + i)), s2 = rnd<T>(load16(s + half + i));
+        const f32x16 neg_x2 = zero() - x2;
+        const f32x16 o1 = rnd<T>(x1 * c1) + rnd<T>(neg_x2 * s1);
+        const f32x16 o2 = rnd<T>(x2 * c2) + rnd<T>(x1 * s2);
         store16(xr + i, o1);
         store16(xr + half + i, o2);
       }
@@ -117,6 +116,25 @@ void rotary_embedding_(torch::Tensor positions, torch::Tensor q, torch::Tensor k
                    sin.data_ptr<float>(), e - b);
     });
   });
+}
+
+// float32 -> bfloat16 with the kernels' own rounding (vec.h's store16), as torch's .to(torch.bfloat16)
+// (the avx512bf16 build flushes subnormals to signed zero).
+torch::Tensor to_bfloat16(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "to_bfloat16 takes float32");
+  auto src = x.contiguous();
+  auto out = torch::empty(src.sizes(), src.options().dtype(at::kBFloat16));
+  const float* s = src.data_ptr<float>();
+  bf16* d = out.data_ptr<bf16>();
+  const int64_t n = src.numel();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(d + i, load16(s + i));
+  if (i < n) {
+    alignas(64) bf16 tail[16];
+    store16(tail, load_n(s + i, n - i));
+    std::copy(tail, tail + (n - i), d + i);
+  }
+  return out;
 }
 
 // Pins torch's intra-op thread i to cpus[i], as vLLM binds one OpenMP thread per core.
@@ -145,4 +163,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_threads", &bind_threads);
   m.def("pack_gemm", &pack_gemm);
   m.def("gemm_packed", &gemm_packed, py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("to_bfloat16", &to_bfloat16);
+  m.attr("isa") = kIsa;  // the instruction set this module was compiled for
 }

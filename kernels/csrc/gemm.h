@@ -1,7 +1,7 @@
 // Small-batch matmul for decode steps: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for a few dozen rows of x,
 // with w packed once into column panels so that a row of x is broadcast against 16 outputs per instruction.
-// float32: panel [K][16]; bfloat16: panel [K / 2][16][2], pairs of k for vdpbf16ps (AVX512-BF16), which adds
-// both products of a pair to the float32 sum. Each thread takes blocks of 32 outputs; a block's weights
+// float32: panel [K][16]; bfloat16: panel [K / 2][16][2], pairs of k for dot_pairs (vdpbf16ps on AVX512-BF16),
+// which adds both products of a pair to the float32 sum. Each thread takes blocks of 32 outputs; a block's weights
 // (K x 32) are read from memory once and reused from L2 by every group of up to gemm_max_mr<T> rows of x.
 #pragma once
 #include "simd.h"
@@ -10,16 +10,9 @@ namespace {
 
 constexpr int64_t PANEL = 16;
 constexpr int GEMM_COLS = 2;  // panels per block: MR x 2 accumulators + 2 weight vectors + a broadcast
-// Rows per tile. float32 also keeps a chunk's partial sums (below), 2 x MR x 2 registers of 32: at 10-12 rows it
-// ran 9-12% slower than at 8 for 20-24 rows (demo:small's shapes, Zen 4, alternated builds); bfloat16 was equal.
-template <typename T> constexpr int gemm_max_mr = 12;
-template <> constexpr int gemm_max_mr<float> = 8;
-
-inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
-inline __m512i bcast_pair(const bf16* p, bool whole) {
-  if (whole) return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
-  return _mm512_set1_epi32(static_cast<int32_t>(reinterpret_cast<const uint16_t*>(p)[0]));  // (x[K-1], 0)
-}
+// Rows per tile, per ISA (vec.h's kTiles). float32 also keeps a chunk's partial sums (below), another MR x 2.
+template <typename T> constexpr int gemm_max_mr = kTiles.gemm_rows_bf16;
+template <> constexpr int gemm_max_mr<float> = kTiles.gemm_rows_f32;
 
 // Brings the next block (both panels) into L2 while a block is computed, spread over the block's row groups:
 // group g of G, stepped once per k (bfloat16: per k pair), prefetches lines [g L / G, (g + 1) L / G) of the L
@@ -33,8 +26,8 @@ struct Ahead {
   inline void step() {
     if (++rem < groups) return;
     rem = 0;
-    _mm_prefetch(next + line * 64, _MM_HINT_T1);
-    _mm_prefetch(next + panel_bytes + line * 64, _MM_HINT_T1);
+    prefetch_l2(next + line * 64);
+    prefetch_l2(next + panel_bytes + line * 64);
     ++line;
   }
 };
@@ -44,68 +37,81 @@ struct Ahead {
 constexpr int64_t GEMM_KC = 32;
 
 template <int MR>
-inline void gemm_tile(const float* x, int64_t K, const float* wp, Ahead& ahead, __m512 (&acc)[MR][GEMM_COLS]) {
-  __m512 part[MR][GEMM_COLS];
+inline void gemm_tile(const float* x, const float*, int64_t K, const float* wp, Ahead& ahead,
+                      f32x16 (&acc)[MR][GEMM_COLS]) {
+  f32x16 part[MR][GEMM_COLS];
   for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
     for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < GEMM_COLS; ++c) part[m][c] = _mm512_setzero_ps();
+      for (int c = 0; c < GEMM_COLS; ++c) part[m][c] = zero();
     for (int64_t k = k0, end = std::min(K, k0 + GEMM_KC); k < end; ++k) {
       const float* wk = wp + k * PANEL;
       ahead.step();
-      __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + K * PANEL);
+      const f32x16 w0 = load16(wk), w1 = load16(wk + K * PANEL);
       for (int m = 0; m < MR; ++m) {
-        const __m512 xv = bcast(x + m * K + k);
-        part[m][0] = _mm512_fmadd_ps(xv, w0, part[m][0]);
-        part[m][1] = _mm512_fmadd_ps(xv, w1, part[m][1]);
+        const f32x16 xv = set1(x[m * K + k]);
+        part[m][0] = fma(xv, w0, part[m][0]);
+        part[m][1] = fma(xv, w1, part[m][1]);
       }
     }
     for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = _mm512_add_ps(acc[m][c], part[m][c]);
+      for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = acc[m][c] + part[m][c];
+  }
+}
+
+// Pair p of every row: (x[2p], x[2p + 1]), or (x[K - 1], 0) where Whole is false (the last pair of an odd K).
+// xf: x in float32 where !kNativePairDot.
+template <int MR, bool Whole>
+inline void gemm_pair(const bf16* x, const float* xf, int64_t K, int64_t p, const bf16* wk, int64_t panel,
+                      f32x16 (&acc)[MR][GEMM_COLS]) {
+  const bf16x32 w0 = load_pairs(wk), w1 = load_pairs(wk + panel);
+  for (int m = 0; m < MR; ++m) {
+    const PairX xv = pair_x(x + m * K + 2 * p, xf + m * K + 2 * p, Whole);
+    acc[m][0] = dot_pairs(acc[m][0], xv, w0);
+    acc[m][1] = dot_pairs(acc[m][1], xv, w1);
   }
 }
 
 template <int MR>
-inline void gemm_tile(const bf16* x, int64_t K, const bf16* wp, Ahead& ahead, __m512 (&acc)[MR][GEMM_COLS]) {
-  const int64_t pairs = (K + 1) / 2, panel = pairs * 2 * PANEL;
+inline void gemm_tile(const bf16* x, const float* xf, int64_t K, const bf16* wp, Ahead& ahead,
+                      f32x16 (&acc)[MR][GEMM_COLS]) {
+  const int64_t pairs = K / 2, panel = (K + 1) / 2 * 2 * PANEL;
   for (int64_t p = 0; p < pairs; ++p) {
-    const bf16* wk = wp + p * 2 * PANEL;
     ahead.step();
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + panel);
-    const bool whole = 2 * p + 1 < K;
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)bcast_pair(x + m * K + 2 * p, whole);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
-    }
+    gemm_pair<MR, true>(x, xf, K, p, wp + p * 2 * PANEL, panel, acc);
+  }
+  if (K % 2) {
+    ahead.step();
+    gemm_pair<MR, false>(x, xf, K, pairs, wp + pairs * 2 * PANEL, panel, acc);
   }
 }
 
 template <typename T, int MR>
-void gemm_block(const T* x, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N, int64_t n0) {
-  __m512 acc[MR][GEMM_COLS];
+void gemm_block(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
+                int64_t n0) {
+  f32x16 acc[MR][GEMM_COLS];
   for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = _mm512_setzero_ps();
-  gemm_tile<MR>(x, K, wp, ahead, acc);
+    for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = zero();
+  gemm_tile<MR>(x, xf, K, wp, ahead, acc);
   for (int c = 0; c < GEMM_COLS; ++c) {
     const int64_t n = n0 + c * PANEL;
     if (n >= N) break;
-    const __mmask16 mask = N - n >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-    const __m512 b = bias ? load_n(bias + n, mask) : _mm512_setzero_ps();
+    const int64_t cols = std::min<int64_t>(PANEL, N - n);
+    const f32x16 b = bias ? load_n(bias + n, cols) : zero();
     for (int m = 0; m < MR; ++m) {
       alignas(64) T out[PANEL];
-      store16(out, _mm512_add_ps(acc[m][c], b));
-      std::copy(out, out + std::min<int64_t>(PANEL, N - n), y + m * N + n);
+      store16(out, acc[m][c] + b);
+      std::copy(out, out + cols, y + m * N + n);
     }
   }
 }
 
 template <typename T, int MR = 1>
-void gemm_rows(int64_t rows, const T* x, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
-               int64_t n0) {
+void gemm_rows(int64_t rows, const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y,
+               int64_t N, int64_t n0) {
   if constexpr (MR < gemm_max_mr<T>) {
-    if (rows != MR) return gemm_rows<T, MR + 1>(rows, x, K, wp, ahead, bias, y, N, n0);
+    if (rows != MR) return gemm_rows<T, MR + 1>(rows, x, xf, K, wp, ahead, bias, y, N, n0);
   }
-  gemm_block<T, MR>(x, K, wp, ahead, bias, y, N, n0);
+  gemm_block<T, MR>(x, xf, K, wp, ahead, bias, y, N, n0);
 }
 
 int64_t padded_k(int64_t K, at::ScalarType t) { return t == at::kBFloat16 ? (K + 1) / 2 * 2 : K; }
@@ -138,6 +144,9 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::opt
     using T = decltype(t);
     const int64_t groups = (rows + gemm_max_mr<T> - 1) / gemm_max_mr<T>;
     const T* xp = x.data_ptr<T>();
+    // bfloat16 without a native pair dot broadcasts x's elements from a float32 copy (exact)
+    torch::Tensor x32 = std::is_same_v<T, bf16> && !kNativePairDot ? x.to(at::kFloat) : torch::Tensor();
+    const float* xf = x32.defined() ? x32.data_ptr<float>() : nullptr;
     const T* w = wp.data_ptr<T>();
     const T* b = bias ? bias->data_ptr<T>() : nullptr;
     T* yp = y.data_ptr<T>();
@@ -148,7 +157,8 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor wp, int64_t N, std::opt
           const int64_t mr = (rows - m0) / (groups - g);
           const T* wb = w + blk * GEMM_COLS * panel;
           Ahead ahead(wb + GEMM_COLS * panel, panel * sizeof(T), panel * sizeof(T) / 64, g, groups);
-          gemm_rows<T>(mr, xp + m0 * K, K, wb, ahead, b, yp + m0 * N, N, blk * GEMM_COLS * PANEL);
+          gemm_rows<T>(mr, xp + m0 * K, xf ? xf + m0 * K : nullptr, K, wb, ahead, b, yp + m0 * N, N,
+                       blk * GEMM_COLS * PANEL);
           m0 += mr;
         }
     });

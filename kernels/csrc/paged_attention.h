@@ -19,9 +19,17 @@ struct WorkItem {
 
 // Keys go a tile of up to 8 chunks at a time and rows 4 at a time: a row group's scores over the
 // tile, one softmax pass per row (one max and one sum reduction per 128 keys, not per 16), then P.V
-// with the accumulators in registers; the group's probabilities stay in L1.
+// with the accumulators in registers (in sub-tiles of vec.h's kTiles); the group's probabilities stay in L1.
 constexpr int64_t kTileChunks = 8;
 constexpr int64_t kTileLanes = 16 * kTileChunks;
+constexpr int64_t kGroupRows = 4;
+constexpr int kScoreRows = kTiles.score_rows, kScoreChunks = kTiles.score_chunks;
+template <typename T> constexpr int kValueRows = kTiles.value_rows_bf16;
+template <> constexpr int kValueRows<float> = kTiles.value_rows_f32;
+template <typename T> constexpr int kValueVecs = kTiles.value_vecs_bf16;
+template <> constexpr int kValueVecs<float> = kTiles.value_vecs_f32;
+static_assert(kScoreRows <= kGroupRows && kValueRows<float> <= kGroupRows && kValueRows<bf16> <= kGroupRows,
+              "sub-tiles of a row group");
 
 // Up to 16 consecutive keys of one block: dim i of key j at k[i * bs + j], its value row at v + j * d.
 template <typename T>
@@ -31,35 +39,24 @@ struct Chunk {
   int64_t key0, n;  // position of the first key, keys in the chunk
 };
 
-// f(std::integral_constant<int, N>{}) for N = n, 1 <= n <= 4.
-template <typename F>
-inline void upto4(int64_t n, const F& f) {
-  switch (n) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
 // s[i * lds + 16 j + lane] = q_i . key (lane) of chunk j, for NR query rows and NC chunks.
 template <int NR, int NC, typename T>
 inline void tile_scores(const float* q, int64_t d, const Chunk<T>* c, int64_t bs, float* s, int64_t lds) {
-  __m512 acc[NR][NC];
-  __mmask16 mask[NC];
-  for (int j = 0; j < NC; ++j) mask[j] = __mmask16((1u << c[j].n) - 1u);
+  f32x16 acc[NR][NC];
+  int64_t n[NC];
+  for (int j = 0; j < NC; ++j) n[j] = c[j].n;
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NC; ++j) acc[i][j] = zero();
   for (int64_t k = 0; k < d; ++k) {
-    __m512 kv[NC];
-    for (int j = 0; j < NC; ++j) kv[j] = load_n(c[j].k + k * bs, mask[j]);
+    f32x16 kv[NC];
+    for (int j = 0; j < NC; ++j) kv[j] = load_n(c[j].k + k * bs, n[j]);
     for (int i = 0; i < NR; ++i) {
-      const __m512 qb = _mm512_set1_ps(q[i * d + k]);
-      for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_fmadd_ps(qb, kv[j], acc[i][j]);
+      const f32x16 qb = set1(q[i * d + k]);
+      for (int j = 0; j < NC; ++j) acc[i][j] = fma(qb, kv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(s + i * lds + 16 * j, acc[i][j]);
+    for (int j = 0; j < NC; ++j) store16(s + i * lds + 16 * j, acc[i][j]);
 }
 
 // One row's online-softmax step over a tile, for a row that sees the keys at positions <= pos (at
@@ -67,24 +64,25 @@ inline void tile_scores(const float* q, int64_t d, const Chunk<T>* c, int64_t bs
 // and the factor for the row's accumulator is returned.
 template <typename T>
 inline float tile_softmax(float* s, const Chunk<T>* c, int64_t nc, int64_t pos, float& m, float& l) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  f32x16 mx = set1(kNegInf);
   int64_t seen = 0;
   for (; seen < nc && c[seen].key0 <= pos; ++seen) {
     const int64_t valid = std::min(c[seen].n, pos - c[seen].key0 + 1);
-    mx = _mm512_mask_max_ps(mx, __mmask16((1u << valid) - 1u), mx, _mm512_loadu_ps(s + 16 * seen));
+    mx = max(mx, keep_first(load16(s + 16 * seen), valid, kNegInf));
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
+  const float m_new = std::max(m, reduce_max(mx));
   const float corr = std::exp(m - m_new);
-  const __m512 mn = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
+  const f32x16 mn = set1(m_new);
+  f32x16 sum = zero();
   for (int64_t x = 0; x < seen; ++x) {
-    const __mmask16 mask = __mmask16((1u << std::min(c[x].n, pos - c[x].key0 + 1)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * x), mn)));
-    _mm512_storeu_ps(s + 16 * x, e);
-    sum = _mm512_add_ps(sum, e);
+    const int64_t valid = std::min(c[x].n, pos - c[x].key0 + 1);
+    const f32x16 e = keep_first(exp16(load16(s + 16 * x) - mn), valid, 0.0f);
+    store16(s + 16 * x, e);
+    sum = sum + e;
   }
-  for (int64_t x = seen; x < nc; ++x) _mm512_storeu_ps(s + 16 * x, _mm512_setzero_ps());
-  l = l * corr + _mm512_reduce_add_ps(sum);
+  for (int64_t x = seen; x < nc; ++x) store16(s + 16 * x, zero());
+  l = l * corr + reduce_add(sum);
   m = m_new;
   return corr;
 }
@@ -94,28 +92,29 @@ inline float tile_softmax(float* s, const Chunk<T>* c, int64_t nc, int64_t pos, 
 template <int NR, int NV, typename T>
 inline void tile_values(float* acc, int64_t d, int64_t col, const float* corr, const float* p, int64_t ldp,
                         const Chunk<T>* c, int64_t nc, int64_t limit) {
-  __m512 a[NR][NV];
+  f32x16 a[NR][NV];
   for (int i = 0; i < NR; ++i)
-    for (int v = 0; v < NV; ++v)
-      a[i][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + col + 16 * v), _mm512_set1_ps(corr[i]));
+    for (int v = 0; v < NV; ++v) a[i][v] = load16(acc + i * d + col + 16 * v) * set1(corr[i]);
   for (int64_t x = 0; x < nc && c[x].key0 < limit; ++x) {
     const int64_t n = std::min(c[x].n, limit - c[x].key0);
     const T* vr = c[x].v + col;
     const float* px = p + 16 * x;
     for (int64_t j = 0; j < n; ++j) {
-      __m512 vv[NV];
+      f32x16 vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = load16(vr + j * d + 16 * v);
       for (int i = 0; i < NR; ++i) {
-        const __m512 pb = _mm512_set1_ps(px[i * ldp + j]);
-        for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(pb, vv[v], a[i][v]);
+        const f32x16 pb = set1(px[i * ldp + j]);
+        for (int v = 0; v < NV; ++v) a[i][v] = fma(pb, vv[v], a[i][v]);
       }
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + i * d + col + 16 * v, a[i][v]);
+    for (int v = 0; v < NV; ++v) store16(acc + i * d + col + 16 * v, a[i][v]);
 }
 
-inline int64_t scratch_floats(int64_t rows, int64_t d) { return rows * (2 * d + 2) + 4 * (1 + kTileLanes) + 64; }
+inline int64_t scratch_floats(int64_t rows, int64_t d) {
+  return rows * (2 * d + 2) + kGroupRows * (1 + kTileLanes) + 64;
+}
 
 // Asks for one kv head's K and V of the blocks holding chunks [c0, c1) into L2. The blocks are scattered, and
 // the hardware prefetcher stops at every block boundary: in a step, whose weights and other layers' caches
@@ -127,8 +126,8 @@ inline void prefetch_chunks(const T* kc, const T* vc, const int32_t* table, int6
   for (int64_t b = c0 / per_block, end = (c1 - 1) / per_block; b <= end; ++b) {
     const int64_t base = int64_t(table[b]) * block_elems + head_offset;
     for (int64_t e = 0; e < head_elems; e += kLine) {
-      _mm_prefetch(reinterpret_cast<const char*>(kc + base + e), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(vc + base + e), _MM_HINT_T1);
+      prefetch_l2(kc + base + e);
+      prefetch_l2(vc + base + e);
     }
   }
 }
@@ -146,12 +145,12 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
   float* acc = qs + rows * d;  // [rows, d]
   float* m = acc + rows * d;   // [rows]
   float* l = m + rows;         // [rows]
-  float* corr = l + rows;      // [4] a row group's rescale factors
-  float* p = corr + 4;         // [4, kTileLanes] a row group's scores over the tile, then probabilities
+  float* corr = l + rows;      // [kGroupRows] a row group's rescale factors
+  float* p = corr + kGroupRows;  // [kGroupRows, kTileLanes] a row group's scores over the tile, then probabilities
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (w.q_begin + r / g) * q_stride + (w.kv_head * g + r % g) * d;
     for (int64_t v = 0; v < nv; ++v)
-      _mm512_storeu_ps(qs + r * d + 16 * v, _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale)));
+      store16(qs + r * d + 16 * v, load16(src + 16 * v) * set1(scale));
     std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
@@ -174,32 +173,35 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
       ch[x] = {kc + base + off, vc + base + off * d, key0, std::min(cs, last_pos - key0 + 1)};
     }
     const int64_t first = ch[0].key0 > pos0 ? (ch[0].key0 - pos0) * g : 0;  // earlier rows see none of it
-    for (int64_t r = first; r < rows; r += 4) {
-      const int64_t nr = std::min<int64_t>(4, rows - r), group_end = pos0 + (r + nr - 1) / g + 1;
+    for (int64_t r = first; r < rows; r += kGroupRows) {
+      const int64_t nr = std::min<int64_t>(kGroupRows, rows - r), group_end = pos0 + (r + nr - 1) / g + 1;
       int64_t ncg = 0;
       while (ncg < nc && ch[ncg].key0 < group_end) ++ncg;
-      for (int64_t x = 0; x < ncg; x += 4)
-        upto4(nr, [&](auto NR) {
-          upto4(std::min<int64_t>(4, ncg - x), [&](auto NC) {
-            tile_scores<decltype(NR)::value, decltype(NC)::value>(qs + r * d, d, ch + x, bs, p + 16 * x, kTileLanes);
+      for (int64_t i = 0; i < nr; i += kScoreRows)
+        for (int64_t x = 0; x < ncg; x += kScoreChunks)
+          upto<kScoreRows>(nr - i, [&](auto NR) {
+            upto<kScoreChunks>(ncg - x, [&](auto NC) {
+              tile_scores<decltype(NR)::value, decltype(NC)::value>(qs + (r + i) * d, d, ch + x, bs,
+                                                                    p + i * kTileLanes + 16 * x, kTileLanes);
+            });
           });
-        });
       for (int64_t i = 0; i < nr; ++i)
         corr[i] = tile_softmax(p + i * kTileLanes, ch, ncg, pos0 + (r + i) / g, m[r + i], l[r + i]);
-      for (int64_t v = 0; v < nv; v += 4)
-        upto4(nr, [&](auto NR) {
-          upto4(std::min<int64_t>(4, nv - v), [&](auto NV) {
-            tile_values<decltype(NR)::value, decltype(NV)::value>(acc + r * d, d, 16 * v, corr, p, kTileLanes, ch,
-                                                                  ncg, group_end);
+      for (int64_t i = 0; i < nr; i += kValueRows<T>)
+        for (int64_t v = 0; v < nv; v += kValueVecs<T>)
+          upto<kValueRows<T>>(nr - i, [&](auto NR) {
+            upto<kValueVecs<T>>(nv - v, [&](auto NV) {
+              tile_values<decltype(NR)::value, decltype(NV)::value>(acc + (r + i) * d, d, 16 * v, corr + i,
+                                                                    p + i * kTileLanes, kTileLanes, ch, ncg, group_end);
+            });
           });
-        });
     }
   }
   const int64_t tok_stride = heads * d;
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + (w.q_begin + r / g) * tok_stride + (w.kv_head * g + r % g) * d;
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    for (int64_t v = 0; v < nv; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * v), inv));
+    const f32x16 inv = set1(1.0f / l[r]);
+    for (int64_t v = 0; v < nv; ++v) store16(dst + 16 * v, load16(acc + r * d + 16 * v) * inv);
   }
 }
 
