@@ -1,4 +1,5 @@
 """The bench commands' pictures (matplotlib, Agg backend, small PNGs)."""
+
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,11 @@ def serve_chart(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("s", fontsize=8)
     ax.grid(alpha=0.3)
     cfg = result["config"]
-    fig.suptitle(f"bench serve {cfg['model']}: {s['completed']} requests, {s['request_throughput']:.2f} req/s, "
-                 f"{s['output_throughput']:.0f} output tok/s", fontsize=10)
+    fig.suptitle(
+        f"bench serve {cfg['model']}: {s['completed']} requests, {s['request_throughput']:.2f} req/s, "
+        f"{s['output_throughput']:.0f} output tok/s",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -106,15 +110,29 @@ def timeline_chart(traces: dict[str, list[StepRecord]], path: Path, title: str) 
     """One column per policy: the batch-slot grid over steps, KV-cache use beneath."""
     names = list(traces)
     steps = max(len(t) for t in traces.values())
-    fig, axes = plt.subplots(2, len(names), figsize=(5.2 * len(names), 4.6), dpi=80, sharex="col",
-                             gridspec_kw={"height_ratios": [3, 1]}, squeeze=False)
+    fig, axes = plt.subplots(
+        2,
+        len(names),
+        figsize=(5.2 * len(names), 4.6),
+        dpi=80,
+        sharex="col",
+        gridspec_kw={"height_ratios": [3, 1]},
+        squeeze=False,
+    )
     cmap = ListedColormap([COLOURS[k] for k in ("idle", "prefill", "decode", "padding")])
     for j, name in enumerate(names):
         rec = traces[name]
         grid = slot_grid(rec)
         ax = axes[0, j]
-        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=3,
-                  extent=(0.5, len(rec) + 0.5, grid.shape[0] - 0.5, -0.5))
+        ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            vmin=0,
+            vmax=3,
+            extent=(0.5, len(rec) + 0.5, grid.shape[0] - 0.5, -0.5),
+        )
         tokens = sum(r.tokens() for r in rec)
         ax.set_title(f"{name}: {len(rec)} steps, {sum(r.duration_s for r in rec):.1f} s, {tokens} tokens", fontsize=9)
         ax.set_ylabel("batch slot", fontsize=8)
@@ -130,8 +148,12 @@ def timeline_chart(traces: dict[str, list[StepRecord]], path: Path, title: str) 
         kv.set_ylabel(f"KV blocks used\n(of {total})", fontsize=8)
         kv.set_xlabel("engine step", fontsize=8)
         kv.grid(alpha=0.3)
-    fig.legend(handles=[Patch(color=COLOURS[k], label=k) for k in ("prefill", "decode", "padding", "idle")],
-               loc="upper right", ncol=4, fontsize=8)
+    fig.legend(
+        handles=[Patch(color=COLOURS[k], label=k) for k in ("prefill", "decode", "padding", "idle")],
+        loc="upper right",
+        ncol=4,
+        fontsize=8,
+    )
     fig.suptitle(title, fontsize=10, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path)

@@ -22,6 +22,7 @@ two-routers  the overload through 2 router replicas, KV cache the binding limit 
     python -m benchmarks.cluster --scenario overload [--overload 10 --max-queue-time 2 --duration 10]
     python -m benchmarks.cluster --scenario two-routers
 """
+
 import argparse
 import asyncio
 import json
@@ -54,12 +55,14 @@ def make_round(args: argparse.Namespace, seed: int) -> list[list[int]]:
     return [rng.choice(systems) + rand_tokens(rng, rng.randint(*args.user_len)) for _ in range(args.requests)]
 
 
-def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, max_tokens: int, replicas: int = 2,
-                    block_size: int = 16) -> float:
+def oracle_hit_rate(
+    rounds: list[list[list[int]]], num_blocks: int, max_tokens: int, replicas: int = 2, block_size: int = 16
+) -> float:
     """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests). As
     in the engine, the full blocks of its output are cached too (keys no other request has); unlike it, no
     block is ever pinned by a running request, so the oracle's caches hold more: an upper bound."""
     from conveyor.engine.prefix_hash import block_hashes
+
     caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
     sent, hits, queries, served = [0] * replicas, 0, 0, 0
     for prompts in rounds:
@@ -70,6 +73,7 @@ def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, max_tokens: 
 
             def held(c: OrderedDict) -> int:
                 return next((i for i, k in enumerate(keys) if k not in c), len(keys))
+
             r = max(range(replicas), key=lambda i: (held(caches[i]), -sent[i]))
             sent[r] += 1
             queries += len(p)
@@ -82,11 +86,18 @@ def oracle_hit_rate(rounds: list[list[list[int]]], num_blocks: int, max_tokens: 
     return hits / queries
 
 
-async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], max_tokens: int,
-                     retry: bool) -> dict[str, Any]:
+async def stream_one(
+    client: httpx.AsyncClient, path: str, prompt: list[int], max_tokens: int, retry: bool
+) -> dict[str, Any]:
     """TTFT from the first attempt (a retried 429 waits its Retry-After), tokens, status, Retry-After."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     refused, start = 0, time.perf_counter()
     while True:
         try:
@@ -97,21 +108,34 @@ async def stream_one(client: httpx.AsyncClient, path: str, prompt: list[int], ma
                     continue
                 if r.status_code != 200:
                     await r.aread()
-                    return {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "refused": refused,
-                            "latency": time.perf_counter() - start,
-                            "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None}
+                    return {
+                        "status": r.status_code,
+                        "retry_after": r.headers.get("retry-after"),
+                        "refused": refused,
+                        "latency": time.perf_counter() - start,
+                        "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None,
+                    }
                 timing = server_timing_ms(r.headers.get("server-timing", ""))
                 router_ms, replica_ms = timing.get("router"), timing.get("replica")
-                ingress_ms, egress_ms, admission_ms = timing.get("ingress"), timing.get("egress"), timing.get("admission")
+                ingress_ms, egress_ms, admission_ms = (
+                    timing.get("ingress"),
+                    timing.get("egress"),
+                    timing.get("admission"),
+                )
                 ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
         except httpx.HTTPError as e:
             return {"status": -1, "error": repr(e), "refused": refused}
-        return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": tokens,
-                "refused": refused, "router_ttft": router_ms / 1000 if router_ms is not None else None,
-                "replica_ttft": replica_ms / 1000 if replica_ms is not None else None,
-                "ingress": ingress_ms / 1000 if ingress_ms is not None else None,
-                "egress": egress_ms / 1000 if egress_ms is not None else None,
-                "admission": admission_ms / 1000 if admission_ms is not None else None}
+        return {
+            "status": 200,
+            "ttft": ttft if ttft is not None else time.perf_counter() - start,
+            "tokens": tokens,
+            "refused": refused,
+            "router_ttft": router_ms / 1000 if router_ms is not None else None,
+            "replica_ttft": replica_ms / 1000 if replica_ms is not None else None,
+            "ingress": ingress_ms / 1000 if ingress_ms is not None else None,
+            "egress": egress_ms / 1000 if egress_ms is not None else None,
+            "admission": admission_ms / 1000 if admission_ms is not None else None,
+        }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -139,24 +163,48 @@ def start_ray(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
     from ray.serve._private.constants import RAY_SERVE_HAPROXY_METRICS_PORT, RAY_SERVE_HAPROXY_STATS_PORT
+
     extra = [("0.0.0.0", RAY_SERVE_HAPROXY_STATS_PORT), ("0.0.0.0", RAY_SERVE_HAPROXY_METRICS_PORT)]
     wait_for_ports([("127.0.0.1", args.port), *(extra if args.haproxy else [])])
     args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-cluster-", dir="/tmp")
     use_haproxy(args.haproxy, args.temp_dir)
     print(f"ingress: {'HAProxy, direct to the router replicas' if args.haproxy else 'Serve proxy'}", flush=True)
-    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-             _temp_dir=args.temp_dir, _node_ip_address="127.0.0.1", object_store_memory=256 * 2**20)
+    ray.init(
+        address="local",
+        num_cpus=args.ray_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=args.temp_dir,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=256 * 2**20,
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     return f"http://127.0.0.1:{args.port}"
 
 
 def app_args(args: argparse.Namespace, **over: Any) -> Any:
     from conveyor.deployments.app import AppArgs
-    engine = {**dict(dtype="float32", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     num_blocks=args.num_blocks, max_model_len=args.max_model_len, block_size=16),
-              **json.loads(args.engine), **over.pop("engine", {})}
-    common = dict(model=args.model, engine=engine, num_replicas=2, replica_num_cpus=args.ray_cpus * 0.2,
-                  router_num_cpus=args.ray_cpus * 0.05, torch_threads=args.threads)
+
+    engine = {
+        **dict(
+            dtype="float32",
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_blocks=args.num_blocks,
+            max_model_len=args.max_model_len,
+            block_size=16,
+        ),
+        **json.loads(args.engine),
+        **over.pop("engine", {}),
+    }
+    common = dict(
+        model=args.model,
+        engine=engine,
+        num_replicas=2,
+        replica_num_cpus=args.ray_cpus * 0.2,
+        router_num_cpus=args.ray_cpus * 0.05,
+        torch_threads=args.threads,
+    )
     return AppArgs(**{**common, **over})
 
 
@@ -164,22 +212,26 @@ def deploy(url: str, apps: dict[str, Any]) -> None:
     from ray import serve
 
     from conveyor.deployments.app import build_app
+
     serve.run_many([serve.RunTarget(build_app(a), name=name, route_prefix=f"/{name}") for name, a in apps.items()])
     for name in apps:
         for _ in range(4):
             httpx.post(f"{url}/{name}/v1/completions", json={"prompt": [7] * 40, "max_tokens": 4}, timeout=60)
 
 
-async def closed_loop(url: str, path: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-                      retry: bool = True) -> tuple[list[dict[str, Any]], float]:
+async def closed_loop(
+    url: str, path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, retry: bool = True
+) -> tuple[list[dict[str, Any]], float]:
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=concurrency + 2)) as c:
+
         async def worker() -> None:
             while not queue.empty():
                 results.append(await stream_one(c, path, queue.get_nowait(), max_tokens, retry))
+
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results, time.perf_counter() - start
@@ -197,8 +249,12 @@ def per_replica(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[int
     for r in after["replicas"]:
         o = old.get(r["replica_id"], {})
         q = r["prefix_cache_queries"] - o.get("prefix_cache_queries", 0)
-        out.append((r["num_finished"] - o.get("num_finished", 0),
-                    (r["prefix_cache_hits"] - o.get("prefix_cache_hits", 0)) / max(1, q)))
+        out.append(
+            (
+                r["num_finished"] - o.get("num_finished", 0),
+                (r["prefix_cache_hits"] - o.get("prefix_cache_hits", 0)) / max(1, q),
+            )
+        )
     return out
 
 
@@ -210,6 +266,7 @@ async def with_saturation(actor: Any, work: Any) -> tuple[Any, float]:
         while not stop.is_set():
             seen.append(any(r["saturated"] for r in (await actor.snapshot.remote())["replicas"]))
             await asyncio.sleep(0.02)
+
     task = asyncio.create_task(sample())
     try:
         return await work, sum(seen) / max(1, len(seen))
@@ -220,9 +277,12 @@ async def with_saturation(actor: Any, work: Any) -> tuple[Any, float]:
 
 def routing(url: str, args: argparse.Namespace) -> None:
     from ray import serve
+
     admission = json.loads(args.admission)
-    apps = {"kv": app_args(args, request_router=json.loads(args.router), admission=admission),
-            "p2c": app_args(args, request_router=None, admission=admission)}
+    apps = {
+        "kv": app_args(args, request_router=json.loads(args.router), admission=admission),
+        "p2c": app_args(args, request_router=None, admission=admission),
+    }
     names = [a for a in ROUTERS if a in args.apps.split(",")]
     deploy(url, {a: apps[a] for a in names})
     rng = random.Random(999)  # prompts of the workload's shape that share nothing with it
@@ -233,29 +293,42 @@ def routing(url: str, args: argparse.Namespace) -> None:
     res: dict[str, list[dict[str, Any]]] = {app: [] for app in names}
     rounds = [make_round(args, seed=r) for r in range(args.rounds)]
     for rnd, prompts in enumerate(rounds):
-        for app in (names if rnd % 2 == 0 else names[::-1]):
+        for app in names if rnd % 2 == 0 else names[::-1]:
             actor = serve.get_deployment_handle("LLMReplica", app_name=app).admission.remote().result()
             view = asyncio.run(cluster_view(url, f"/{app}"))
-            (out, elapsed), saturated = asyncio.run(with_saturation(
-                actor, closed_loop(url, f"/{app}", prompts, args.max_tokens, args.concurrency)))
+            (out, elapsed), saturated = asyncio.run(
+                with_saturation(actor, closed_loop(url, f"/{app}", prompts, args.max_tokens, args.concurrency))
+            )
             time.sleep(0.5)
             view_after = asyncio.run(cluster_view(url, f"/{app}"))
             before, after = view["totals"], view_after["totals"]
-            r = {"ttft": [o["ttft"] for o in out if o["status"] == 200], "tokens": sum(o.get("tokens", 0) for o in out),
-                 "inside": [(o["router_ttft"], o["replica_ttft"], o["ingress"], o["egress"], o["admission"])
-                            for o in out if o.get("admission") is not None],
-                 "elapsed": elapsed, "refused": sum(o["refused"] for o in out),
-                 "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
-                 "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
+            r = {
+                "ttft": [o["ttft"] for o in out if o["status"] == 200],
+                "tokens": sum(o.get("tokens", 0) for o in out),
+                "inside": [
+                    (o["router_ttft"], o["replica_ttft"], o["ingress"], o["egress"], o["admission"])
+                    for o in out
+                    if o.get("admission") is not None
+                ],
+                "elapsed": elapsed,
+                "refused": sum(o["refused"] for o in out),
+                "queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+                "hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+            }
             res[app].append(r)
             split = ", ".join(f"{n} req at {h:.0%} hits" for n, h in per_replica(view, view_after))
-            print(f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], .5):.1f} ms, p99 {1000 * pct(r['ttft'], .99):.1f} "
-                  f"ms, hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s; replicas: {split}; a replica "
-                  f"saturated in {saturated:.0%} of samples", flush=True)
+            print(
+                f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], 0.5):.1f} ms, p99 {1000 * pct(r['ttft'], 0.99):.1f} "
+                f"ms, hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s; replicas: {split}; a replica "
+                f"saturated in {saturated:.0%} of samples",
+                flush=True,
+            )
     oracle = oracle_hit_rate(rounds, args.num_blocks, args.max_tokens)
-    print(f"\n{args.model}, 2 replicas x {args.num_blocks} KV blocks, router {args.router}, {args.system_prompts} system "
-          f"prompts x {args.system_len} tokens, {args.rounds} x {args.requests} requests, concurrency "
-          f"{args.concurrency}, {args.max_tokens} output tokens\n")
+    print(
+        f"\n{args.model}, 2 replicas x {args.num_blocks} KV blocks, router {args.router}, {args.system_prompts} system "
+        f"prompts x {args.system_len} tokens, {args.rounds} x {args.requests} requests, concurrency "
+        f"{args.concurrency}, {args.max_tokens} output tokens\n"
+    )
     print("| router | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | prefix-cache hit rate | 429s |")
     print("|---|---:|---:|---:|---:|---:|")
     stat = {}
@@ -263,39 +336,67 @@ def routing(url: str, args: argparse.Namespace) -> None:
         ttft = [t for r in runs for t in r["ttft"]]
         tps = sum(r["tokens"] for r in runs) / sum(r["elapsed"] for r in runs)
         hit = sum(r["hits"] for r in runs) / max(1, sum(r["queries"] for r in runs))
-        stat[app] = (pct(ttft, .5), pct(ttft, .99), hit)
-        print(f"| {ROUTERS[app]} | {1000 * stat[app][0]:.1f} | {1000 * stat[app][1]:.1f} | {tps:.1f} | {hit:.1%} | "
-              f"{sum(r['refused'] for r in runs)} |")
+        stat[app] = (pct(ttft, 0.5), pct(ttft, 0.99), hit)
+        print(
+            f"| {ROUTERS[app]} | {1000 * stat[app][0]:.1f} | {1000 * stat[app][1]:.1f} | {tps:.1f} | {hit:.1%} | "
+            f"{sum(r['refused'] for r in runs)} |"
+        )
     print(f"| oracle (knows every cache; sequential simulation) | | | | {oracle:.1%} | |")
     for app, runs in res.items():
         inside = [x for r in runs for x in r["inside"]]
         if inside:
             router, replica, ingress, egress, admission = ([x[i] for x in inside] for i in range(5))
-            print(f"{ROUTERS[app]}: TTFT inside the router p50/p99 {1000 * pct(router, .5):.1f} / "
-                  f"{1000 * pct(router, .99):.1f} ms, of which in the replica (arrival to first token) "
-                  f"{1000 * pct(replica, .5):.1f} / {1000 * pct(replica, .99):.1f} ms; p50 of router receipt to engine "
-                  f"arrival {1000 * pct(ingress, .5):.1f} ms (to the handle call {1000 * pct(admission, .5):.1f} ms, p99 "
-                  f"{1000 * pct(admission, .99):.1f}), of first token out to the router "
-                  f"{1000 * pct(egress, .5):.1f} ms")
+            print(
+                f"{ROUTERS[app]}: TTFT inside the router p50/p99 {1000 * pct(router, 0.5):.1f} / "
+                f"{1000 * pct(router, 0.99):.1f} ms, of which in the replica (arrival to first token) "
+                f"{1000 * pct(replica, 0.5):.1f} / {1000 * pct(replica, 0.99):.1f} ms; p50 of router receipt to engine "
+                f"arrival {1000 * pct(ingress, 0.5):.1f} ms (to the handle call {1000 * pct(admission, 0.5):.1f} ms, p99 "
+                f"{1000 * pct(admission, 0.99):.1f}), of first token out to the router "
+                f"{1000 * pct(egress, 0.5):.1f} ms"
+            )
     if len(stat) < 2:
         return
-    print(f"\nKV-aware vs power of two: TTFT p50 {100 * (stat['kv'][0] / stat['p2c'][0] - 1):+.1f}% (target <= -35%), "
-          f"p99 {100 * (stat['kv'][1] / stat['p2c'][1] - 1):+.1f}% (target <= 0); hit rate "
-          f"{100 * (stat['kv'][2] - oracle):+.1f} points vs oracle (target within 5)")
+    print(
+        f"\nKV-aware vs power of two: TTFT p50 {100 * (stat['kv'][0] / stat['p2c'][0] - 1):+.1f}% (target <= -35%), "
+        f"p99 {100 * (stat['kv'][1] / stat['p2c'][1] - 1):+.1f}% (target <= 0); hit rate "
+        f"{100 * (stat['kv'][2] - oracle):+.1f} points vs oracle (target within 5)"
+    )
 
 
 async def sample_pressure(actor: Any, stop: asyncio.Event, every_s: float, out: list[tuple[float, dict, dict]]) -> None:
     while not stop.is_set():
         snap = await actor.snapshot.remote()
-        out.append((time.perf_counter(), {r["replica_id"]: r["pressure"] for r in snap["replicas"]},
-                    {r["replica_id"]: (r["num_running"], r["num_waiting"], round(r["queue_time_s"], 2),
-                                       r["num_preemptions"]) for r in snap["replicas"]},
-                    {r["replica_id"]: {k: r.get(k) for k in BOOK} for r in snap["replicas"]}))
+        out.append(
+            (
+                time.perf_counter(),
+                {r["replica_id"]: r["pressure"] for r in snap["replicas"]},
+                {
+                    r["replica_id"]: (
+                        r["num_running"],
+                        r["num_waiting"],
+                        round(r["queue_time_s"], 2),
+                        r["num_preemptions"],
+                    )
+                    for r in snap["replicas"]
+                },
+                {r["replica_id"]: {k: r.get(k) for k in BOOK} for r in snap["replicas"]},
+            )
+        )
         await asyncio.sleep(every_s)
 
 
-BOOK = ("kv_blocks_free", "num_waiting_tokens", "num_growth_blocks", "reserved_blocks", "reserved_requests",
-        "room_blocks", "num_running", "num_waiting", "num_added", "age_s")
+BOOK = (
+    "kv_blocks_free",
+    "num_waiting_tokens",
+    "num_growth_blocks",
+    "reserved_blocks",
+    "reserved_requests",
+    "room_blocks",
+    "num_running",
+    "num_waiting",
+    "num_added",
+    "age_s",
+)
 
 
 def preemptions_seen(samples: list[tuple], before: int = 4) -> list[str]:
@@ -322,8 +423,16 @@ def longest_above(samples: list[tuple], high: float) -> float:
     return longest
 
 
-async def open_loop(url: str, path: str, rate: float, duration: float, prompt_len: tuple[int, int], max_tokens: int,
-                    seed: int, actor: Any = None) -> tuple[list[dict[str, Any]], list[tuple[float, dict, dict]]]:
+async def open_loop(
+    url: str,
+    path: str,
+    rate: float,
+    duration: float,
+    prompt_len: tuple[int, int],
+    max_tokens: int,
+    seed: int,
+    actor: Any = None,
+) -> tuple[list[dict[str, Any]], list[tuple[float, dict, dict]]]:
     rng = random.Random(seed)
     samples: list[tuple[float, dict, dict]] = []
     stop = asyncio.Event()
@@ -335,6 +444,7 @@ async def open_loop(url: str, path: str, rate: float, duration: float, prompt_le
 
             async def one(prompt: list[int] = prompt, sent: float = time.perf_counter()) -> dict[str, Any]:
                 return {**await stream_one(c, path, prompt, max_tokens, retry=False), "sent": sent}
+
             tasks.append(asyncio.create_task(one()))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
@@ -347,48 +457,75 @@ async def open_loop(url: str, path: str, rate: float, duration: float, prompt_le
 def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     import ray
     from ray import serve
+
     kv_bound = args.scenario == "two-routers" or routers > 1
     name = f"slo{routers}" + ("kv" if kv_bound else "")
     engine = {"num_blocks": args.kv_bound_blocks} if kv_bound else {}
-    deploy(url, {name: app_args(args, engine=engine, router_replicas=routers, max_queue_time_s=args.max_queue_time,
-                                admission=json.loads(args.admission))})
+    deploy(
+        url,
+        {
+            name: app_args(
+                args,
+                engine=engine,
+                router_replicas=routers,
+                max_queue_time_s=args.max_queue_time,
+                admission=json.loads(args.admission),
+            )
+        },
+    )
     prompt_len = tuple(args.kv_bound_prompt_len if kv_bound else args.overload_prompt_len)
     rng = random.Random(7)
     warm = [rand_tokens(rng, rng.randint(*prompt_len)) for _ in range(args.capacity_requests)]
     out, elapsed = asyncio.run(closed_loop(url, f"/{name}", warm, args.overload_max_tokens, 2 * args.max_num_seqs))
     capacity = sum(o["status"] == 200 for o in out) / elapsed
     rate = args.rate or args.overload * capacity
-    print(f"\n{name}: {routers} router replica(s), admission {args.admission}, capacity {capacity:.2f} req/s closed-loop "
-          f"({2 * args.max_num_seqs} clients); offering {rate:.1f} req/s for {args.duration:.0f} s", flush=True)
+    print(
+        f"\n{name}: {routers} router replica(s), admission {args.admission}, capacity {capacity:.2f} req/s closed-loop "
+        f"({2 * args.max_num_seqs} clients); offering {rate:.1f} req/s for {args.duration:.0f} s",
+        flush=True,
+    )
     actor = serve.get_deployment_handle("LLMReplica", app_name=name).admission.remote().result()
-    results, samples = asyncio.run(open_loop(url, f"/{name}", rate, args.duration, prompt_len,
-                                             args.overload_max_tokens, seed=11, actor=actor))
+    results, samples = asyncio.run(
+        open_loop(url, f"/{name}", rate, args.duration, prompt_len, args.overload_max_tokens, seed=11, actor=actor)
+    )
     ok = [r for r in results if r["status"] == 200 and r["tokens"] == args.overload_max_tokens]
     refused = [r for r in results if r["status"] == 429]
     no_retry_after = sum(1 for r in refused if not r.get("retry_after"))
     lost = len(results) - len(ok) - len(refused)
-    kinds = Counter(f"{r['status']} {r.get('code') or ''}".strip() if r["status"] != 200 else f"200 with {r['tokens']} tokens"
-                    for r in results if r not in ok and r not in refused)
+    kinds = Counter(
+        f"{r['status']} {r.get('code') or ''}".strip() if r["status"] != 200 else f"200 with {r['tokens']} tokens"
+        for r in results
+        if r not in ok and r not in refused
+    )
     deadline, whole = time.time() + 30, False
     while time.time() < deadline and not whole:
         snap = ray.get(actor.snapshot.remote())
-        whole = all(r["kv_blocks_free"] == r["kv_blocks_total"] and r["num_running"] == r["num_waiting"] == 0
-                    for r in snap["replicas"]) and len(snap["replicas"]) == 2
+        whole = (
+            all(
+                r["kv_blocks_free"] == r["kv_blocks_total"] and r["num_running"] == r["num_waiting"] == 0
+                for r in snap["replicas"]
+            )
+            and len(snap["replicas"]) == 2
+        )
         time.sleep(0.2)
     ttft = [r["ttft"] for r in ok]
     codes = sorted({r.get("code") for r in refused} - {None})
     high = snap["config"]["high_watermark"]
-    print(f"| requests | 200 (complete) | 429 | 429 without Retry-After | lost | admitted TTFT p50 | admitted TTFT p99 "
-          f"| pools whole after |\n|---:|---:|---:|---:|---:|---:|---:|---|\n| {len(results)} | {len(ok)} | "
-          f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost}{f' ({dict(kinds)})' if kinds else ''} | "
-          f"{pct(ttft, .5):.2f} s | "
-          f"{pct(ttft, .99):.2f} s | {whole} |")
+    print(
+        f"| requests | 200 (complete) | 429 | 429 without Retry-After | lost | admitted TTFT p50 | admitted TTFT p99 "
+        f"| pools whole after |\n|---:|---:|---:|---:|---:|---:|---:|---|\n| {len(results)} | {len(ok)} | "
+        f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost}{f' ({dict(kinds)})' if kinds else ''} | "
+        f"{pct(ttft, 0.5):.2f} s | "
+        f"{pct(ttft, 0.99):.2f} s | {whole} |"
+    )
     router_ttft = [r["router_ttft"] for r in ok if r.get("router_ttft") is not None]
     if router_ttft and refused:
         refusal = [r["latency"] for r in refused]
-        print(f"admitted TTFT inside the router (Server-Timing) p50/p99 {pct(router_ttft, .5):.2f} / "
-              f"{pct(router_ttft, .99):.2f} s; a 429's latency at the client p50/p99 {pct(refusal, .5):.2f} / "
-              f"{pct(refusal, .99):.2f} s")
+        print(
+            f"admitted TTFT inside the router (Server-Timing) p50/p99 {pct(router_ttft, 0.5):.2f} / "
+            f"{pct(router_ttft, 0.99):.2f} s; a 429's latency at the client p50/p99 {pct(refusal, 0.5):.2f} / "
+            f"{pct(refusal, 0.99):.2f} s"
+        )
     if lost:
         print("lost:", [r for r in results if r not in ok and r not in refused][:5])
     if os.environ.get("CONVEYOR_BENCH_DUMP"):
@@ -401,11 +538,15 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
     t0 = samples[0][0] if samples else 0.0
     for r in sorted(ok, key=lambda r: -r["ttft"])[:3]:
         at = next((q for t, _, q, _ in samples if t >= r["sent"]), None)
-        print(f"slow: sent at {r['sent'] - t0:.2f} s, TTFT {r['ttft']:.2f} s; replicas (running, waiting, estimated "
-              f"queue s, preemptions) then: {at}")
-    print(f"KV pressure sampled every 20 ms ({len(samples)} samples): peak {peak:.2f}, longest above the high "
-          f"watermark {high:.2f}: {1000 * longest_above(samples, high):.0f} ms (stats push 100 ms, router refresh "
-          f"50 ms); target admitted TTFT p99 <= {args.max_queue_time + 0.5:.1f} s")
+        print(
+            f"slow: sent at {r['sent'] - t0:.2f} s, TTFT {r['ttft']:.2f} s; replicas (running, waiting, estimated "
+            f"queue s, preemptions) then: {at}"
+        )
+    print(
+        f"KV pressure sampled every 20 ms ({len(samples)} samples): peak {peak:.2f}, longest above the high "
+        f"watermark {high:.2f}: {1000 * longest_above(samples, high):.0f} ms (stats push 100 ms, router refresh "
+        f"50 ms); target admitted TTFT p99 <= {args.max_queue_time + 0.5:.1f} s"
+    )
     serve.delete(name)
 
 
@@ -443,12 +584,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--ray-cpus", type=int, default=2)
     p.add_argument("--port", type=int, default=8124)
-    p.add_argument("--haproxy", action=argparse.BooleanOptionalAction,
-                   default=haproxy_enabled(),
-                   help="Serve's HAProxy ingress (direct ingress to the routers) instead of Serve's proxy")
+    p.add_argument(
+        "--haproxy",
+        action=argparse.BooleanOptionalAction,
+        default=haproxy_enabled(),
+        help="Serve's HAProxy ingress (direct ingress to the routers) instead of Serve's proxy",
+    )
     args = p.parse_args()
     import ray
     from ray import serve
+
     url = start_ray(args)
     try:
         if args.scenario in ("routing", "all"):

@@ -8,6 +8,7 @@ CPU share, ITL, CPU ms per token by role and the Serve TTFT overhead over the ba
 
     python -m benchmarks.core_priority --settings low n0 n19 p0 --reps 3
 """
+
 import argparse
 import asyncio
 import os
@@ -18,8 +19,9 @@ from benchmarks import serving
 
 
 def newest(key: str) -> int:
-    procs = [p for p in psutil.process_iter(["pid", "cmdline", "create_time"])
-             if key in " ".join(p.info["cmdline"] or [])]
+    procs = [
+        p for p in psutil.process_iter(["pid", "cmdline", "create_time"]) if key in " ".join(p.info["cmdline"] or [])
+    ]
     return max(procs, key=lambda p: p.info["create_time"]).info["pid"]
 
 
@@ -70,20 +72,27 @@ def main() -> None:
             for setting in args.settings:
                 apply(setting, core, front)
                 t0, roles0 = cpu_times(), serving.cpu_by_role()
-                elapsed, tokens, _, gaps = asyncio.run(serving.http_throughput(
-                    f"{base}/", prompts, args.max_tokens, True, opts.model, args.concurrency))
+                elapsed, tokens, _, gaps = asyncio.run(
+                    serving.http_throughput(f"{base}/", prompts, args.max_tokens, True, opts.model, args.concurrency)
+                )
                 t1, roles1 = cpu_times(), serving.cpu_by_role()
-                ttft = asyncio.run(serving.http_ttfts({"app": f"{base}/", "bare Serve app": f"{base}/floor/"},
-                                                      ttft_prompts, opts.model))
+                ttft = asyncio.run(
+                    serving.http_ttfts(
+                        {"app": f"{base}/", "bare Serve app": f"{base}/floor/"}, ttft_prompts, opts.model
+                    )
+                )
                 d = [b - a for a, b in zip(t0, t1)]
                 per_token = {k: 1000 * (v - roles0.get(k, 0.0)) / tokens for k, v in roles1.items()}
                 results[setting].append(tokens / elapsed)
                 idle = 100 * (d[3] + d[4]) / sum(d)
-                print(f"rep {rep} {setting:>5}: {tokens / elapsed:7.1f} tok/s  idle CPU {idle:4.1f}%  "
-                      f"ITL p50 {serving.ms(gaps):.1f} p99 {serving.ms(gaps, 0.99):.1f} ms  CPU ms/token core "
-                      f"{per_token.get('core', 0):.3f} router {per_token.get('router', 0):.3f} replica "
-                      f"{per_token.get('replica', 0):.3f} all {sum(per_token.values()):.3f}  TTFT overhead "
-                      f"{serving.ms(ttft['app']) - serving.ms(ttft['bare Serve app']):+.2f} ms", flush=True)
+                print(
+                    f"rep {rep} {setting:>5}: {tokens / elapsed:7.1f} tok/s  idle CPU {idle:4.1f}%  "
+                    f"ITL p50 {serving.ms(gaps):.1f} p99 {serving.ms(gaps, 0.99):.1f} ms  CPU ms/token core "
+                    f"{per_token.get('core', 0):.3f} router {per_token.get('router', 0):.3f} replica "
+                    f"{per_token.get('replica', 0):.3f} all {sum(per_token.values()):.3f}  TTFT overhead "
+                    f"{serving.ms(ttft['app']) - serving.ms(ttft['bare Serve app']):+.2f} ms",
+                    flush=True,
+                )
         for setting, runs in results.items():
             mean = sum(runs) / len(runs)
             print(f"{setting:>5}: " + " / ".join(f"{r:.1f}" for r in runs) + f" tok/s, mean {mean:.1f}")

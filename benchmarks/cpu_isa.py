@@ -10,16 +10,14 @@ torch's time / the kernel's (above 1: the kernel is faster). One thread by defau
 torch picks its own kernels for this CPU (AMX or AVX512-BF16 matmuls where present); to see torch as an
 AVX2-only CPU runs it: MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 """
+
 import argparse
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 
 from conveyor.kernels import cpu_ops, reference  # noqa: E402
 
@@ -69,7 +67,7 @@ def attention_rows(lib: ModuleType, rounds: int) -> list[tuple[str, str, str, fl
         q = torch.randn(seqs, heads, d, generator=g).to(dtype)
         qsl = torch.arange(seqs + 1, dtype=torch.int32)
         out = torch.empty_like(q)
-        scale = d ** -0.5
+        scale = d**-0.5
         ours = seconds(lambda: lib.paged_attention(out, q, k_cache, v_cache, tables, lens, qsl, scale), rounds)
         eager = seconds(lambda: reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale), rounds)
         rows.append(("attention", name, f"{seqs} decodes ctx {context} h{heads}/kv{kv_heads} d{d}", ours, eager))
@@ -78,8 +76,10 @@ def attention_rows(lib: ModuleType, rounds: int) -> list[tuple[str, str, str, fl
 
 def bench(label: str, lib: ModuleType, rounds: int) -> list[tuple[str, ...]]:
     """One build's table rows: (build, op, dtype, shape, kernel us, torch us, torch / kernel)."""
-    return [(label, op, dtype, shape, f"{ours * 1e6:.1f}", f"{eager * 1e6:.1f}", f"{eager / ours:.2f}")
-            for op, dtype, shape, ours, eager in gemm_rows(lib, rounds) + attention_rows(lib, rounds)]
+    return [
+        (label, op, dtype, shape, f"{ours * 1e6:.1f}", f"{eager * 1e6:.1f}", f"{eager / ours:.2f}")
+        for op, dtype, shape, ours, eager in gemm_rows(lib, rounds) + attention_rows(lib, rounds)
+    ]
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
@@ -101,8 +101,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"CPU runs {', '.join(cpu_ops.supported_isas())}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU runs {', '.join(cpu_ops.supported_isas())}",
+        flush=True,
+    )
     rows = []
     for isa in args.isas or default_isas():
         lib = cpu_ops.load(isa)

@@ -8,6 +8,7 @@ mismatch, within ~8 minutes on one GPU.
 (kernels/triton_ops.py) for sm_80 and sm_90 with the constexprs and launch options the launchers pick,
 and fails on register spills, shared memory over the target's limit, or a 16-bit tl.dot without
 tensor-core MMA in the SASS. Results are cached under ~/.cache/conveyor/triton-aot/."""
+
 import argparse
 import contextlib
 import hashlib
@@ -34,6 +35,7 @@ import torch
 
 def greedy(model: str, device: str, dtype: str, prompts: list[dict], max_tokens: int) -> list[list[int]]:
     from conveyor.engine import LLM, SamplingParams
+
     llm = LLM(model, device=device, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -42,6 +44,7 @@ def greedy(model: str, device: str, dtype: str, prompts: list[dict], max_tokens:
 def tok_per_s(model: str, dtype: str, n: int) -> float:
     from benchmarks.throughput import workload
     from conveyor.engine import LLM, SamplingParams
+
     llm = LLM(model, device="cuda", dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048)
     prompts, params = workload(n, 0, llm.engine.vocab_size)
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)
@@ -75,6 +78,7 @@ TENSOR_CORE_OPS = ("HMMA", "HGMMA")
 class AotCase:
     """One call of a kernels.triton_ops entry point as the engine makes it. The launcher runs on CPU
     tensors that only supply dtypes, shapes and strides; its kernel launches are captured, not run."""
+
     op: str  # "store_kv", "decode" or "prefill"
     dtype: str  # the model dtype: queries, keys, values and both caches
     head_dim: int
@@ -85,15 +89,20 @@ class AotCase:
     max_query_len: int = 1  # prefill
 
     def label(self) -> str:
-        extra = {"store_kv": f"kvh{self.num_kv_heads}", "decode": f"splits{self.num_splits}",
-                 "prefill": f"q{self.max_query_len}"}[self.op]
+        extra = {
+            "store_kv": f"kvh{self.num_kv_heads}",
+            "decode": f"splits{self.num_splits}",
+            "prefill": f"q{self.max_query_len}",
+        }[self.op]
         return f"{self.op} {self.dtype} d{self.head_dim} g{self.group} bs{self.block_size} {extra}"
 
 
 def group_block_pairs() -> list[tuple[int, int]]:
     """Every (GQA group, block size) pair, neighbours differing in block size: any run of ten covers all."""
-    return [(AOT_GROUPS[i % len(AOT_GROUPS)], AOT_BLOCK_SIZES[i % len(AOT_BLOCK_SIZES)])
-            for i in range(len(AOT_GROUPS) * len(AOT_BLOCK_SIZES))]
+    return [
+        (AOT_GROUPS[i % len(AOT_GROUPS)], AOT_BLOCK_SIZES[i % len(AOT_BLOCK_SIZES)])
+        for i in range(len(AOT_GROUPS) * len(AOT_BLOCK_SIZES))
+    ]
 
 
 def aot_cases() -> list[AotCase]:
@@ -125,6 +134,7 @@ class AotResult:
     """One compiled kernel for one target. spill_bytes is ptxas's spill stores plus spill loads; smem is
     the dynamic shared memory Triton allocates; dot_types are the operand element types of the kernel's
     tt.dot ops; mma the tensor-core opcodes found in its SASS."""
+
     kernel: str
     arch: int
     dtype: str
@@ -162,6 +172,7 @@ class AotResult:
 @dataclass
 class AotLaunch:
     """A captured launch resolved for one target: what identifies its compile, without compiling."""
+
     case: AotCase
     arch: int
     kernel: str
@@ -186,22 +197,29 @@ class AotReport:
 
 # --- worker side: runs in processes started without TRITON_INTERPRET, so triton.jit builds JITFunctions.
 
+
 def _triton_ops() -> ModuleType:
     import triton
+
     assert not triton.knobs.runtime.interpret, "AOT compiles need TRITON_INTERPRET unset when kernels are imported"
     from conveyor.kernels import triton_ops
+
     return triton_ops
 
 
 def _jit_functions(module: ModuleType) -> dict[str, Any]:
     from triton.runtime.jit import JITFunction
+
     return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
 
 
 def _device_functions(functions: dict[str, Any]) -> set[str]:
     """JIT functions called from another one's body: inlined there, never launched on their own."""
-    return {name for name in functions
-            if any(other != name and re.search(rf"\b{name}\(", fn.src) for other, fn in functions.items())}
+    return {
+        name
+        for name in functions
+        if any(other != name and re.search(rf"\b{name}\(", fn.src) for other, fn in functions.items())
+    }
 
 
 @contextlib.contextmanager
@@ -212,6 +230,7 @@ def _captured_launches(kernels: list[Any]) -> Iterator[list[tuple[Any, tuple, di
     def recorder(kernel: Any) -> Callable[..., None]:
         def run(*args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
             launches.append((kernel, args, kwargs))
+
         return run
 
     for kernel in kernels:
@@ -238,14 +257,16 @@ def _call_launcher(ops: ModuleType, case: AotCase) -> None:
     seq_lens = torch.full((2,), AOT_SEQ_LEN, dtype=torch.int32)
     if case.op == "decode":
         q = torch.zeros(2, heads, case.head_dim, dtype=dtype)
-        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125,
-                                   max_seq_len=AOT_SEQ_LEN, num_splits=case.num_splits)
+        ops.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, 0.125, max_seq_len=AOT_SEQ_LEN, num_splits=case.num_splits
+        )
     elif case.op == "prefill":
         n = case.max_query_len
         q = torch.zeros(2 * n, heads, case.head_dim, dtype=dtype)
         query_start_loc = torch.tensor([0, n, 2 * n], dtype=torch.int32)
-        ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, n, 0.125,
-                                    max_seq_len=AOT_SEQ_LEN)
+        ops.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, n, 0.125, max_seq_len=AOT_SEQ_LEN
+        )
     else:
         raise ValueError(f"unknown AOT op {case.op!r}")
 
@@ -262,6 +283,7 @@ def _specialize(kernel: Any, args: tuple, kwargs: dict, arch: int) -> tuple[Any,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
+
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     kwargs = dict(kwargs)
@@ -281,9 +303,17 @@ def _constexpr_names(kernel: Any, constexprs: dict) -> dict[str, str]:
 def _launch_key(kernel: Any, arch: int, signature: dict, constexprs: dict, attrs: dict, options: Any) -> str:
     """Kernel source hash (its JIT dependencies included), full specialization, options and target."""
     import triton
-    payload = [AOT_SCHEMA, triton.__version__, arch, kernel.cache_key, sorted(signature.items()),
-               sorted(_constexpr_names(kernel, constexprs).items()), sorted((str(k), str(v)) for k, v in attrs.items()),
-               sorted((k, str(v)) for k, v in vars(options).items())]
+
+    payload = [
+        AOT_SCHEMA,
+        triton.__version__,
+        arch,
+        kernel.cache_key,
+        sorted(signature.items()),
+        sorted(_constexpr_names(kernel, constexprs).items()),
+        sorted((str(k), str(v)) for k, v in attrs.items()),
+        sorted((k, str(v)) for k, v in vars(options).items()),
+    ]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
@@ -291,8 +321,10 @@ CONFIG_ABBREV = {"GROUP": "G", "HEAD_DIM": "D", "BLOCK_SIZE": "bs", "NUM_KV_HEAD
 
 
 def _config_text(kernel: Any, constexprs: dict) -> str:
-    return " ".join(f"{CONFIG_ABBREV.get(name, name.replace('BLOCK_', 'B'))}={value}"
-                    for name, value in _constexpr_names(kernel, constexprs).items())
+    return " ".join(
+        f"{CONFIG_ABBREV.get(name, name.replace('BLOCK_', 'B'))}={value}"
+        for name, value in _constexpr_names(kernel, constexprs).items()
+    )
 
 
 def resolve_launches(cases: list[AotCase], archs: tuple[int, ...]) -> tuple[list[AotLaunch], list[str]]:
@@ -307,9 +339,17 @@ def resolve_launches(cases: list[AotCase], archs: tuple[int, ...]) -> tuple[list
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # Triton's notice about its fp-fusion default
                     _, signature, constexprs, attrs, options = _specialize(kernel, args, kwargs, arch)
-                resolved.append(AotLaunch(case, arch, kernel.fn.__name__,
-                                          _launch_key(kernel, arch, signature, constexprs, attrs, options),
-                                          _config_text(kernel, constexprs), options.num_warps, options.num_stages))
+                resolved.append(
+                    AotLaunch(
+                        case,
+                        arch,
+                        kernel.fn.__name__,
+                        _launch_key(kernel, arch, signature, constexprs, attrs, options),
+                        _config_text(kernel, constexprs),
+                        options.num_warps,
+                        options.num_stages,
+                    )
+                )
     unlaunched = sorted(set(functions) - _device_functions(functions) - launched)
     return resolved, unlaunched
 
@@ -348,10 +388,12 @@ SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def _tensor_core_ops(cubin: bytes, workdir: str) -> list[str]:
     """Tensor-core opcodes (HMMA, HGMMA) in the cubin's SASS, from the cuobjdump Triton ships."""
     from triton import knobs
+
     path = Path(workdir) / "kernel.cubin"
     path.write_bytes(cubin)
-    sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(path)], check=True, capture_output=True,
-                          text=True).stdout
+    sass = subprocess.run(
+        [knobs.nvidia.cuobjdump.path, "-sass", str(path)], check=True, capture_output=True, text=True
+    ).stdout
     return sorted(set(SASS_OPCODE.findall(sass)) & set(TENSOR_CORE_OPS))
 
 
@@ -363,10 +405,12 @@ def compile_launch(launch: AotLaunch) -> AotResult:
     """Worker: compiles one resolved launch for its target and measures it."""
     import triton
     from triton.compiler import ASTSource
+
     ops = _triton_ops()
     case = launch.case
-    result = AotResult(launch.kernel, launch.arch, case.dtype, launch.config, launch.num_warps, launch.num_stages,
-                       [case.label()])
+    result = AotResult(
+        launch.kernel, launch.arch, case.dtype, launch.config, launch.num_warps, launch.num_stages, [case.label()]
+    )
     try:
         kernel, args, kwargs = next(x for x in _case_launches(ops, case) if x[0].fn.__name__ == launch.kernel)
         with warnings.catch_warnings():
@@ -374,13 +418,16 @@ def compile_launch(launch: AotLaunch) -> AotResult:
             target, signature, constexprs, attrs, options = _specialize(kernel, args, kwargs, launch.arch)
         if _launch_key(kernel, launch.arch, signature, constexprs, attrs, options) != launch.key:
             raise RuntimeError("the launch resolved differently than when it was planned")
-        with tempfile.TemporaryDirectory() as workdir, _environ(
-                TRITON_CACHE_DIR=workdir, TRITON_ALWAYS_COMPILE="1", TRITON_DUMP_PTXAS_LOG="1"):
+        with (
+            tempfile.TemporaryDirectory() as workdir,
+            _environ(TRITON_CACHE_DIR=workdir, TRITON_ALWAYS_COMPILE="1", TRITON_DUMP_PTXAS_LOG="1"),
+        ):
             log = io.StringIO()
             start = time.perf_counter()
             with contextlib.redirect_stdout(log):
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                          options=vars(options))
+                compiled = triton.compile(
+                    ASTSource(kernel, signature, constexprs, attrs), target=target, options=vars(options)
+                )
             result.regs, result.spill_bytes = _ptxas_usage(log.getvalue())
             result.mma = _tensor_core_ops(compiled.asm["cubin"], workdir)
             result.seconds = time.perf_counter() - start
@@ -392,6 +439,7 @@ def compile_launch(launch: AotLaunch) -> AotResult:
 
 
 # --- parent side
+
 
 def _cache_path(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.json"
@@ -428,8 +476,13 @@ def _compile_order(launch: AotLaunch) -> tuple:
     return (rank, -launch.case.head_dim, -launch.case.max_query_len, launch.case.label(), launch.arch)
 
 
-def run_aot_check(archs: tuple[int, ...] = tuple(AOT_SMEM_LIMIT), jobs: int = 2, cache_dir: Path | None = AOT_CACHE_DIR,
-                  only: str | None = None, progress: Callable[[str], None] | None = None) -> AotReport:
+def run_aot_check(
+    archs: tuple[int, ...] = tuple(AOT_SMEM_LIMIT),
+    jobs: int = 2,
+    cache_dir: Path | None = AOT_CACHE_DIR,
+    only: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> AotReport:
     """Compiles every kernel the engine launches (aot_cases()) for each target; cache_dir None disables the
     cache. Compiles run in `jobs` spawned processes with TRITON_INTERPRET unset, so this is safe to call
     from a process where the interpreter is on (the test suite on CPU)."""
@@ -462,16 +515,42 @@ def run_aot_check(archs: tuple[int, ...] = tuple(AOT_SMEM_LIMIT), jobs: int = 2,
 
 
 def _format_table(results: list[AotResult]) -> str:
-    header = ("kernel", "target", "dtype", "config", "warps/stages", "regs", "spills", "smem", "mma", "seconds",
-              "cached", "status")
+    header = (
+        "kernel",
+        "target",
+        "dtype",
+        "config",
+        "warps/stages",
+        "regs",
+        "spills",
+        "smem",
+        "mma",
+        "seconds",
+        "cached",
+        "status",
+    )
     rows = [header]
     for r in results:
         mma = "+".join(r.mma) if r.mma else ("no" if r.dot_types else "-")
         if r.dot_types and not r.mma_expected:
             mma += f" ({'/'.join(r.dot_types)} ieee)"
         status = "; ".join(r.problems()) or "ok"
-        rows.append((r.kernel, f"sm_{r.arch}", r.dtype, r.config, f"{r.num_warps}/{r.num_stages}", str(r.regs),
-                     str(r.spill_bytes), str(r.smem), mma, f"{r.seconds:.1f}", "yes" if r.cached else "no", status))
+        rows.append(
+            (
+                r.kernel,
+                f"sm_{r.arch}",
+                r.dtype,
+                r.config,
+                f"{r.num_warps}/{r.num_stages}",
+                str(r.regs),
+                str(r.spill_bytes),
+                str(r.smem),
+                mma,
+                f"{r.seconds:.1f}",
+                "yes" if r.cached else "no",
+                status,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -482,17 +561,23 @@ def _summary(report: AotReport) -> str:
         mine = [r for r in report.results if r.arch == arch and not r.error]
         failed = sum(bool(r.problems()) for r in report.results if r.arch == arch)
         if mine:
-            lines.append(f"sm_{arch}: {len(mine)} kernels compiled, regs {min(r.regs for r in mine)}-"
-                         f"{max(r.regs for r in mine)}, smem {min(r.smem for r in mine)}-{max(r.smem for r in mine)} "
-                         f"bytes (limit {AOT_SMEM_LIMIT[arch]}), {failed} failing")
+            lines.append(
+                f"sm_{arch}: {len(mine)} kernels compiled, regs {min(r.regs for r in mine)}-"
+                f"{max(r.regs for r in mine)}, smem {min(r.smem for r in mine)}-{max(r.smem for r in mine)} "
+                f"bytes (limit {AOT_SMEM_LIMIT[arch]}), {failed} failing"
+            )
     cached = sum(r.cached for r in report.results)
     lines.append(f"{len(report.results)} compiles ({cached} from cache) in {report.seconds:.0f} s")
     return "\n".join(lines)
 
 
 def aot_main(args: argparse.Namespace) -> int:
-    report = run_aot_check(jobs=args.jobs, cache_dir=None if args.no_cache else args.cache_dir, only=args.only,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_aot_check(
+        jobs=args.jobs,
+        cache_dir=None if args.no_cache else args.cache_dir,
+        only=args.only,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     print(_format_table(report.results))
     print(_summary(report))
     problems = report.problems()
@@ -506,8 +591,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", nargs="+", default=["demo:small", "demo:smollm2"])
     ap.add_argument("--skip-kernels", action="store_true")
-    ap.add_argument("--aot", action="store_true",
-                    help="no GPU needed: compile every Triton kernel for sm_80 and sm_90 and check the binaries")
+    ap.add_argument(
+        "--aot",
+        action="store_true",
+        help="no GPU needed: compile every Triton kernel for sm_80 and sm_90 and check the binaries",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="--aot: compile processes")
     ap.add_argument("--only", help="--aot: only cases whose label contains this, e.g. 'prefill float32'")
     ap.add_argument("--cache-dir", type=Path, default=AOT_CACHE_DIR, help="--aot: result cache")
@@ -523,6 +611,7 @@ def main() -> int:
         ok &= subprocess.run([sys.executable, "-m", "benchmarks.triton_kernels", "--quick"]).returncode == 0
     from benchmarks.throughput import workload
     from conveyor.engine import LLM
+
     for model in args.models:
         try:
             probe = LLM(model, device="cpu", dtype="float32")

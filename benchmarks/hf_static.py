@@ -1,6 +1,7 @@
 """The transformers peer of benchmarks/throughput.py: its own `generate` with static batching over the same
 workload (batches of at most 32 requests in arrival order, left-padded; each batch decodes until its longest
 output is done, and only the tokens each request asked for count)."""
+
 import time
 
 import torch
@@ -24,8 +25,9 @@ def measure_transformers(model_path: str, dtype: str, prompts: list[dict], param
             input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
             new = max(params[i].max_tokens for i in batch)
-            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False)
+            model.generate(
+                input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
+            )
         elapsed = time.perf_counter() - start
     tokens = sum(p.max_tokens for p in params)
     return {"seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed, "steps": 0}

@@ -3,6 +3,7 @@
 A spec is `KIND:ARGS`: `fixed:N`, `uniform:LO,HI`, `heavy-tail:LO,HI[,ALPHA]` (Pareto with exponent ALPHA,
 default 1.2, from LO, clipped at HI: most requests short, a few very long), `shared-prefix:PREFIX,SUFFIX`
 (prompts only: every prompt starts with the same PREFIX tokens, then SUFFIX unique ones)."""
+
 import random
 from dataclasses import dataclass
 
@@ -57,14 +58,18 @@ def token_prompts(spec: Lengths, n: int, vocab: int, rng: random.Random, low: in
     """n prompts of random token ids in [low, vocab); shared-prefix ones share their first `spec.lo` ids."""
     prefix = [rng.randrange(low, vocab) for _ in range(spec.lo)] if spec.kind == "shared-prefix" else []
     unique = spec.hi if spec.kind == "shared-prefix" else None
-    return [prefix + [rng.randrange(low, vocab) for _ in range(unique if unique is not None else spec.sample(rng))]
-            for _ in range(n)]
+    return [
+        prefix + [rng.randrange(low, vocab) for _ in range(unique if unique is not None else spec.sample(rng))]
+        for _ in range(n)
+    ]
 
 
-WORDS = ("time year people way day man thing woman life child world school state family student group country "
-         "problem hand part place case week company system program question work government number night point "
-         "home water room mother area money story fact month lot right study book eye job word business issue side "
-         "kind head house service friend father power hour game line end member law car city community name").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue side "
+    "kind head house service friend father power hour game line end member law car city community name"
+).split()
 
 
 def text_prompts(spec: Lengths, n: int, rng: random.Random) -> list[str]:

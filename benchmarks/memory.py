@@ -11,6 +11,7 @@ memory-pressure (--pressure-models, default tiny): N requests, prompts U[32, 160
 Watermark off (0) / fixed (0.05) / adaptive (from 0.01, engine/watermark.py), recompute vs swap (swap
 space = the KV cache's size). Reports preemptions, blocks swapped out, tokens recomputed after
 preemption and output tokens/s, and checks that greedy outputs are identical across the six runs."""
+
 import argparse
 import random
 import time
@@ -63,6 +64,7 @@ def run(model: str, workload, n: int, seed: int, **options: object) -> dict:
         out = execute(so)
         counts["prompt_s" if prompt else "decode_s"] += time.perf_counter() - start
         return out
+
     llm.engine.executor.execute_model = counted
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -70,19 +72,28 @@ def run(model: str, workload, n: int, seed: int, **options: object) -> dict:
     stats = llm.engine.stats()
     outputs = [o.outputs[0].token_ids for o in outs]
     num_out = sum(len(o) for o in outputs)
-    return {**counts, "seconds": seconds, "outputs": outputs, "tok_per_s": num_out / seconds,
-            "hits": stats.prefix_cache_hits - before.prefix_cache_hits,
-            "preemptions": stats.num_preemptions - before.num_preemptions,
-            "recomputed": counts["tokens"] - sum(len(p) + len(o) - 1 for p, o in zip(prompts, outputs)),
-            "blocks": llm.engine.block_manager.num_blocks}
+    return {
+        **counts,
+        "seconds": seconds,
+        "outputs": outputs,
+        "tok_per_s": num_out / seconds,
+        "hits": stats.prefix_cache_hits - before.prefix_cache_hits,
+        "preemptions": stats.num_preemptions - before.num_preemptions,
+        "recomputed": counts["tokens"] - sum(len(p) + len(o) - 1 for p, o in zip(prompts, outputs)),
+        "blocks": llm.engine.block_manager.num_blocks,
+    }
 
 
 def shared_prefix_table(models: list[str], n: int, seed: int, repeats: int, max_num_seqs: int) -> None:
     print(f"\n### Shared prefix: {n} requests, 512-token system prompt + 32 unique tokens, 64 output tokens\n")
-    print(f"max_num_seqs {max_num_seqs}. Model time is split between steps that compute prompt tokens and "
-          "decode-only steps, which prefix caching cannot shorten.\n")
-    print("| model | prefix caching | prompt tokens computed | cache-hit tokens | output tok/s | seconds | "
-          "model s: prompt steps | model s: decode-only steps | computed vs off | tok/s vs off |")
+    print(
+        f"max_num_seqs {max_num_seqs}. Model time is split between steps that compute prompt tokens and "
+        "decode-only steps, which prefix caching cannot shorten.\n"
+    )
+    print(
+        "| model | prefix caching | prompt tokens computed | cache-hit tokens | output tok/s | seconds | "
+        "model s: prompt steps | model s: decode-only steps | computed vs off | tok/s vs off |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model in models:
         size = {"max_num_seqs": max_num_seqs, "num_blocks": max_num_seqs * 40}  # 38 blocks per request: no preemption
@@ -91,16 +102,21 @@ def shared_prefix_table(models: list[str], n: int, seed: int, repeats: int, max_
         assert on["outputs"] == off["outputs"], "prefix caching changed greedy outputs"
         assert on["preemptions"] == off["preemptions"] == 0
         for name, r in (("off", off), ("on", on)):
-            print(f"| {model} | {name} | {r['prompt_tokens']} | {r['hits']} | {r['tok_per_s']:.1f} | "
-                  f"{r['seconds']:.1f} | {r['prompt_s']:.1f} | {r['decode_s']:.1f} | "
-                  f"{r['prompt_tokens'] / off['prompt_tokens'] - 1:+.1%} | "
-                  f"{r['tok_per_s'] / off['tok_per_s']:.2f}x |", flush=True)
+            print(
+                f"| {model} | {name} | {r['prompt_tokens']} | {r['hits']} | {r['tok_per_s']:.1f} | "
+                f"{r['seconds']:.1f} | {r['prompt_s']:.1f} | {r['decode_s']:.1f} | "
+                f"{r['prompt_tokens'] / off['prompt_tokens'] - 1:+.1%} | "
+                f"{r['tok_per_s'] / off['tok_per_s']:.2f}x |",
+                flush=True,
+            )
 
 
 def pressure_table(models: list[str], n: int, seed: int, repeats: int) -> None:
     print(f"\n### Memory pressure: {n} requests, KV cache ~60% of demand, prefix caching off\n")
-    print("| model | KV blocks | preemption | watermark | preemptions | blocks swapped out | tokens recomputed | "
-          "output tok/s | steps | seconds |")
+    print(
+        "| model | KV blocks | preemption | watermark | preemptions | blocks swapped out | tokens recomputed | "
+        "output tok/s | steps | seconds |"
+    )
     print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for model in models:
         probe = LLM(model, dtype="float32", num_blocks=1)
@@ -111,13 +127,26 @@ def pressure_table(models: list[str], n: int, seed: int, repeats: int) -> None:
         reference = None
         for mode in ("recompute", "swap"):
             for name, (fraction, adaptive) in WATERMARKS.items():
-                r = best(repeats, model, pressure, n, seed, num_blocks=blocks, enable_prefix_caching=False,
-                        preemption_mode=mode, swap_space=blocks * block_bytes if mode == "swap" else 0,
-                        watermark=fraction, adaptive_watermark=adaptive)
+                r = best(
+                    repeats,
+                    model,
+                    pressure,
+                    n,
+                    seed,
+                    num_blocks=blocks,
+                    enable_prefix_caching=False,
+                    preemption_mode=mode,
+                    swap_space=blocks * block_bytes if mode == "swap" else 0,
+                    watermark=fraction,
+                    adaptive_watermark=adaptive,
+                )
                 reference = reference or r["outputs"]
                 assert r["outputs"] == reference, "preemption changed greedy outputs"
-                print(f"| {model} | {blocks} | {mode} | {name} | {r['preemptions']} | {r['swapped_blocks']} | "
-                      f"{r['recomputed']} | {r['tok_per_s']:.1f} | {r['steps']} | {r['seconds']:.1f} |", flush=True)
+                print(
+                    f"| {model} | {blocks} | {mode} | {name} | {r['preemptions']} | {r['swapped_blocks']} | "
+                    f"{r['recomputed']} | {r['tok_per_s']:.1f} | {r['steps']} | {r['seconds']:.1f} |",
+                    flush=True,
+                )
 
 
 def main() -> None:

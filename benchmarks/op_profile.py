@@ -2,6 +2,7 @@
 share of the run's wall time, the C++ CPU kernels (pybind calls the profiler cannot see) included as
 `conveyor::*` ranges, and what is left: host time outside any op.
 `python -m benchmarks.op_profile --model demo:small --dtype bfloat16`."""
+
 import argparse
 import time
 
@@ -26,6 +27,7 @@ def trace_cpu_kernels() -> None:
         def traced(*args, _fn=fn, _name=f"conveyor::{name}", **kwargs):
             with record_function(_name):
                 return _fn(*args, **kwargs)
+
         setattr(lib, name, traced)
 
 
@@ -49,12 +51,16 @@ def main() -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and e.key != "ProfilerStep*"]
     wall_us = elapsed * 1e6
-    print(f"{args.model} {args.dtype}: {tokens / elapsed:.1f} tok/s under the profiler, "
-          f"{torch.get_num_threads()} threads; shares are of the run's wall time")
+    print(
+        f"{args.model} {args.dtype}: {tokens / elapsed:.1f} tok/s under the profiler, "
+        f"{torch.get_num_threads()} threads; shares are of the run's wall time"
+    )
     print(f"{'op':<58}{'wall %':>8}{'calls':>9}{'ms/call':>9}")
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top]:
-        print(f"{e.key[:57]:<58}{100 * e.self_cpu_time_total / wall_us:>7.1f}%{e.count:>9}"
-              f"{e.self_cpu_time_total / e.count / 1000:>9.3f}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top]:
+        print(
+            f"{e.key[:57]:<58}{100 * e.self_cpu_time_total / wall_us:>7.1f}%{e.count:>9}"
+            f"{e.self_cpu_time_total / e.count / 1000:>9.3f}"
+        )
     host = wall_us - sum(e.self_cpu_time_total for e in events)
     print(f"{'host: Python and everything outside an op':<58}{100 * host / wall_us:>7.1f}%")
 

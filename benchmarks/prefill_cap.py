@@ -4,6 +4,7 @@ with the first cap's.
 
     python -m benchmarks.prefill_cap --model demo:smollm2 --threads 2 --num-requests 64 --caps 0,256,128
 """
+
 import argparse
 import random
 import statistics
@@ -44,24 +45,39 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     caps = [int(c) for c in args.caps.split(",")]
-    llms = {c: LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_tokens_while_decoding=c)
-            for c in caps}
+    llms = {
+        c: LLM(
+            args.model,
+            dtype=args.dtype,
+            enable_prefix_caching=False,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_while_decoding=c,
+        )
+        for c in caps
+    }
     vocab = next(iter(llms.values())).engine.vocab_size
     prompts = token_prompts(Lengths.parse(args.prompt_len), args.num_requests, vocab, rng)
     out_spec = Lengths.parse(args.output_len)
-    params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
-              for n in (out_spec.sample(rng) for _ in prompts)]
-    print(f"{args.model} {args.dtype}, {args.threads} threads, {args.num_requests} requests, prompts {args.prompt_len}, "
-          f"outputs {args.output_len}, {args.max_num_seqs} slots, {args.max_num_batched_tokens}-token budget")
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        for n in (out_spec.sample(rng) for _ in prompts)
+    ]
+    print(
+        f"{args.model} {args.dtype}, {args.threads} threads, {args.num_requests} requests, prompts {args.prompt_len}, "
+        f"outputs {args.output_len}, {args.max_num_seqs} slots, {args.max_num_batched_tokens}-token budget"
+    )
     reference = None
     for r in range(args.rounds):
         for cap in caps:
             m, tokens = run(llms[cap], prompts, params)
             reference = reference or tokens
-            print(f"round {r} cap {cap:5d}: {m['tok_s']:8.1f} tok/s  decode step p50 {1000 * m['p50']:6.1f} ms "
-                  f"p99 {1000 * m['p99']:6.1f} ms (p99/p50 {m['p99'] / m['p50']:.2f})  mean TTFT {m['ttft']:.2f} s  "
-                  f"tokens as cap {caps[0]}: {tokens == reference}", flush=True)
+            print(
+                f"round {r} cap {cap:5d}: {m['tok_s']:8.1f} tok/s  decode step p50 {1000 * m['p50']:6.1f} ms "
+                f"p99 {1000 * m['p99']:6.1f} ms (p99/p50 {m['p99'] / m['p50']:.2f})  mean TTFT {m['ttft']:.2f} s  "
+                f"tokens as cap {caps[0]}: {tokens == reference}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

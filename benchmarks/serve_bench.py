@@ -6,6 +6,7 @@ requests (default) give TTFT (send to first content chunk), ITL (gaps between co
 carries several tokens counts once, as in vLLM's benchmark_serving), TPOT ((e2e - TTFT) / (tokens - 1)) and
 e2e; output tokens are the server's `usage.completion_tokens`. Goodput counts requests meeting every SLO
 (`--slo ttft=0.5,itl=0.05`; keys ttft, itl (the request's mean gap), tpot, e2e; seconds)."""
+
 import argparse
 import asyncio
 import json
@@ -43,8 +44,12 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def meets(self, slo: dict[str, float]) -> bool:
-        got = {"ttft": self.ttft_s, "e2e": self.e2e_s, "tpot": self.tpot_s,
-               "itl": float(np.mean(self.itl_s)) if self.itl_s else 0.0}
+        got = {
+            "ttft": self.ttft_s,
+            "e2e": self.e2e_s,
+            "tpot": self.tpot_s,
+            "itl": float(np.mean(self.itl_s)) if self.itl_s else 0.0,
+        }
         return self.ok and all(got[k] is not None and got[k] <= v for k, v in slo.items())
 
 
@@ -77,8 +82,12 @@ class Client:
 
     def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
         a = self.args
-        b: dict[str, Any] = {"model": a.model, "max_tokens": max_tokens, "temperature": a.temperature,
-                             "stream": not a.no_stream}
+        b: dict[str, Any] = {
+            "model": a.model,
+            "max_tokens": max_tokens,
+            "temperature": a.temperature,
+            "stream": not a.no_stream,
+        }
         if self.chat:
             b["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -105,8 +114,9 @@ class Client:
             async with http.stream("POST", self.url, json=body, headers=self.headers) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
-                    raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
-                                                response=resp)
+                    raise httpx.HTTPStatusError(
+                        f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request, response=resp
+                    )
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -135,13 +145,19 @@ class Client:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    prompt_spec, output_spec = Lengths.parse(args.prompt_len, "--prompt-len"), Lengths.parse(args.output_len, "--output-len")
+    prompt_spec, output_spec = (
+        Lengths.parse(args.prompt_len, "--prompt-len"),
+        Lengths.parse(args.output_len, "--output-len"),
+    )
     if output_spec.kind == "shared-prefix":
         raise ValueError("--output-len: shared-prefix applies to prompts only")
     n = args.num_requests or 100_000
     pool = min(n, 4096)
-    prompts = (text_prompts(prompt_spec, pool, rng) if args.prompt_format == "text" or args.endpoint == "chat"
-               else token_prompts(prompt_spec, pool, args.vocab_size, rng))
+    prompts = (
+        text_prompts(prompt_spec, pool, rng)
+        if args.prompt_format == "text" or args.endpoint == "chat"
+        else token_prompts(prompt_spec, pool, args.vocab_size, rng)
+    )
     outputs = [output_spec.sample(rng) for _ in range(pool)]
     client, results, tasks = Client(args), [], []
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
@@ -178,22 +194,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, results, elapsed, parse_slo(args.slo))
 
 
-def summarize(args: argparse.Namespace, results: list[RequestResult], elapsed: float,
-              slo: dict[str, float]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, results: list[RequestResult], elapsed: float, slo: dict[str, float]
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     good = [r for r in ok if r.meets(slo)] if slo else ok
     summary = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
-        "request_throughput": len(ok) / elapsed, "output_throughput": out_tokens / elapsed,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_throughput": out_tokens / elapsed,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / elapsed,
-        "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_len for r in ok),
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_len for r in ok),
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
         "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
         "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "slo": slo, "goodput": len(good) / elapsed, "good_fraction": len(good) / len(results) if results else 0.0,
-        "errors": sorted({r.error for r in results if r.error})[:5]}
+        "slo": slo,
+        "goodput": len(good) / elapsed,
+        "good_fraction": len(good) / len(results) if results else 0.0,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
     config.update(request_rate=str(config["request_rate"]), out=str(args.out), plot=str(args.plot))
     return {"config": config, "summary": summary, "requests": [asdict(r) for r in results]}
@@ -201,13 +225,19 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], elapsed: f
 
 def print_summary(s: dict[str, Any]) -> None:
     print(f"completed {s['completed']}  failed {s['failed']}  in {s['duration_s']:.2f} s")
-    print(f"requests/s {s['request_throughput']:.2f}  output tok/s {s['output_throughput']:.1f}  "
-          f"total tok/s {s['total_token_throughput']:.1f}")
+    print(
+        f"requests/s {s['request_throughput']:.2f}  output tok/s {s['output_throughput']:.1f}  "
+        f"total tok/s {s['total_token_throughput']:.1f}"
+    )
     print(f"{'':8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}   (ms)")
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         row = s[key]
-        print(f"{key[:-2].upper():8}" + "".join(f"{1000 * row[q]:>10.1f}" if row[q] is not None else f"{'-':>10}"
-                                               for q in ("mean", "p50", "p90", "p99")))
+        print(
+            f"{key[:-2].upper():8}"
+            + "".join(
+                f"{1000 * row[q]:>10.1f}" if row[q] is not None else f"{'-':>10}" for q in ("mean", "p50", "p90", "p99")
+            )
+        )
     if s["slo"]:
         print(f"goodput {s['goodput']:.2f} req/s ({100 * s['good_fraction']:.0f}% of requests met {s['slo']})")
     for e in s["errors"]:
@@ -223,11 +253,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds to keep sending")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many in flight (closed loop)")
-    p.add_argument("--prompt-len", default="uniform:32,256", help="fixed:N | uniform:LO,HI | heavy-tail:LO,HI[,A] "
-                   "| shared-prefix:PREFIX,SUFFIX")
+    p.add_argument(
+        "--prompt-len",
+        default="uniform:32,256",
+        help="fixed:N | uniform:LO,HI | heavy-tail:LO,HI[,A] | shared-prefix:PREFIX,SUFFIX",
+    )
     p.add_argument("--output-len", default="uniform:16,192", help="fixed:N | uniform:LO,HI | heavy-tail:LO,HI[,A]")
-    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
-                   help="token-id arrays (exact lengths) or words; chat always sends words")
+    p.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="token-id arrays (exact lengths) or words; chat always sends words",
+    )
     p.add_argument("--vocab-size", type=int, default=256, help="random token ids are drawn below this")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-stream", action="store_true")
@@ -253,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
     print_summary(result["summary"])
     args.out.write_text(json.dumps(result, indent=1))
     from benchmarks.charts import serve_chart
+
     serve_chart(result, args.plot)
     print(f"wrote {args.out} and {args.plot}")
     return 0 if result["summary"]["completed"] else 1

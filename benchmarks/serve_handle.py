@@ -4,6 +4,7 @@ result (the shape now). No model: the callee sleeps 1 ms between items.
 
     python -m benchmarks.serve_handle --calls 2000 --concurrency 16 --rounds 3
 """
+
 import argparse
 import asyncio
 import os
@@ -56,6 +57,7 @@ class Caller:
                 else:
                     await self.callee.call.remote(i)
                 latencies.append(time.perf_counter() - start)
+
         start = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(calls)))
         return time.perf_counter() - start, sorted(latencies)[len(latencies) // 2]
@@ -69,16 +71,21 @@ def main() -> None:
     args = p.parse_args()
     ray.init(runtime_env={"env_vars": AppArgs().serve_env()})  # the Serve switches our router and replica run with
     handle = serve.run(Caller.bind(Callee.bind()))
-    procs = {"caller": psutil.Process(handle.pid.remote().result()),
-             "callee": psutil.Process(handle.callee_pid.remote().result())}
+    procs = {
+        "caller": psutil.Process(handle.pid.remote().result()),
+        "callee": psutil.Process(handle.callee_pid.remote().result()),
+    }
     print(f"{args.calls} calls per shape and round, {args.concurrency} in flight; CPU ms per call (user + system)")
     for rnd in range(args.rounds):
         for shape in ("stream", "call"):
             before = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
             wall, p50 = handle.run.remote(shape, args.calls, args.concurrency).result()
             cpu = {k: 1000 * (sum(p.cpu_times()[:2]) - before[k]) / args.calls for k, p in procs.items()}
-            print(f"round {rnd} {shape:<6}: {args.calls / wall:7.1f} calls/s  p50 {1000 * p50:6.2f} ms  CPU caller "
-                  f"{cpu['caller']:.3f} callee {cpu['callee']:.3f} total {cpu['caller'] + cpu['callee']:.3f}", flush=True)
+            print(
+                f"round {rnd} {shape:<6}: {args.calls / wall:7.1f} calls/s  p50 {1000 * p50:6.2f} ms  CPU caller "
+                f"{cpu['caller']:.3f} callee {cpu['callee']:.3f} total {cpu['caller'] + cpu['callee']:.3f}",
+                flush=True,
+            )
     serve.shutdown()
 
 

@@ -4,8 +4,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 
-async def read_completion_stream(lines: AsyncIterator[str], start: float,
-                                 arrivals: list[float] | None = None) -> tuple[float | None, int]:
+async def read_completion_stream(
+    lines: AsyncIterator[str], start: float, arrivals: list[float] | None = None
+) -> tuple[float | None, int]:
     """Over an SSE body's lines (httpx `aiter_lines()`, aiohttp `aiohttp_lines()`): time to the first
     non-empty text delta since `start`, and completion tokens from usage; appends each content chunk's
     arrival time (perf_counter) to `arrivals` when given."""

@@ -5,6 +5,7 @@ requests decode exactly --tokens tokens and constrained ones a JSON object with 
 as it did in the half-json run, so both runs have the same batch shape every step. Runs alternate on one warm
 engine; each mode keeps its best of --repeats. Prints tok/s, tok per process CPU-second (robust when the
 machine is shared), the ratios, and the seconds spent in grammar work (mask fill, matcher advance, mask rows, masking the logits)."""
+
 import argparse
 import random
 import time
@@ -20,14 +21,24 @@ from conveyor.engine.sampling_params import StructuredParams
 
 
 def schema(items: int) -> dict:
-    return {"type": "object", "properties": {
-        "label": {"enum": ["alpha", "beta", "gamma"]},
-        "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                   "minItems": items, "maxItems": items}}, "required": ["label", "values"]}
+    return {
+        "type": "object",
+        "properties": {
+            "label": {"enum": ["alpha", "beta", "gamma"]},
+            "values": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": items,
+                "maxItems": items,
+            },
+        },
+        "required": ["label", "values"],
+    }
 
 
-def workload(n: int, seed: int, vocab: int, tokens: int, items: int, constrained: bool,
-             lengths: list[int] | None = None) -> tuple[list[dict], list[SamplingParams]]:
+def workload(
+    n: int, seed: int, vocab: int, tokens: int, items: int, constrained: bool, lengths: list[int] | None = None
+) -> tuple[list[dict], list[SamplingParams]]:
     """`lengths` (the half-json run's output lengths) make the free run decode exactly as many tokens per request."""
     rng = random.Random(seed)
     prompts = [{"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(rng.randint(32, 128))]} for _ in range(n)]
@@ -64,8 +75,9 @@ def run(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> tuple[fl
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
-        spent = sum(t.seconds for t in (manager.bitmask, manager.accept, model_runner.add_constraints,
-                                         sampler.apply_bitmask))
+        spent = sum(
+            t.seconds for t in (manager.bitmask, manager.accept, model_runner.add_constraints, sampler.apply_bitmask)
+        )
         manager.bitmask, manager.accept = fill, accept
         model_runner.add_constraints, sampler.apply_bitmask = rows, apply
     for o, p in zip(outs, params):
@@ -91,8 +103,10 @@ def main() -> None:
     vocab = llm.engine.vocab_size
     half = workload(args.num_requests, args.seed, vocab, args.tokens, args.items, True)
     lengths = run(llm, *half)[2]
-    runs = {"free": workload(args.num_requests, args.seed, vocab, args.tokens, args.items, False, lengths),
-            "half-json": half}
+    runs = {
+        "free": workload(args.num_requests, args.seed, vocab, args.tokens, args.items, False, lengths),
+        "half-json": half,
+    }
     run(llm, *runs["free"])
     best: dict[str, tuple[float, float, int, float]] = {}
     for _ in range(args.repeats):
@@ -101,15 +115,21 @@ def main() -> None:
             tokens = sum(per_request)
             if mode not in best or tokens / elapsed > best[mode][2] / best[mode][0]:
                 best[mode] = (elapsed, cpu, tokens, spent)
-    print(f"torch threads: {torch.get_num_threads()}, model {args.model} {args.dtype}, {args.num_requests} requests, "
-          f"best of {args.repeats} after a warm-up run of each")
+    print(
+        f"torch threads: {torch.get_num_threads()}, model {args.model} {args.dtype}, {args.num_requests} requests, "
+        f"best of {args.repeats} after a warm-up run of each"
+    )
     print(f"{'mode':<11}{'tok/s':>9}{'tok/cpu-s':>11}{'tokens':>8}{'wall s':>8}{'cpu s':>8}{'constraint s':>14}")
     for mode, (elapsed, cpu, tokens, spent) in best.items():
-        print(f"{mode:<11}{tokens / elapsed:>9.1f}{tokens / cpu:>11.1f}{tokens:>8}{elapsed:>8.2f}{cpu:>8.2f}{spent:>14.3f}")
+        print(
+            f"{mode:<11}{tokens / elapsed:>9.1f}{tokens / cpu:>11.1f}{tokens:>8}{elapsed:>8.2f}{cpu:>8.2f}{spent:>14.3f}"
+        )
     (fw, fc, ft, _), (hw, hc, ht, _) = best["free"], best["half-json"]
     print(f"ratio half-json / free: tok/s {ht / hw / (ft / fw):.3f}, tok per CPU-second {ht / hc / (ft / fc):.3f}")
-    print(f"constraint work: {best['half-json'][3]:.3f} s = {best['half-json'][3] / hw:.1%} of the half-json run's wall "
-          f"time (the rest of the step is shared with free requests)")
+    print(
+        f"constraint work: {best['half-json'][3]:.3f} s = {best['half-json'][3] / hw:.1%} of the half-json run's wall "
+        f"time (the rest of the step is shared with free requests)"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Warm-up (both engines alike): `short` (default) generates 4 tokens for two promp
 `full` first runs a whole workload of the same size and distribution drawn with another seed, so the
 timed run sees a process in its steady state (oneDNN creates a GEMM primitive per distinct row count on
 first use, ~2 ms each for prefill-sized ones: ~0.3 s of a short-warm-up run of demo:small)."""
+
 import argparse
 import json
 import os
@@ -44,8 +45,9 @@ def warmup_workload(n: int, seed: int, vocab: int, mode: str) -> tuple[list[dict
 
 
 def measure(model: str, dtype: str, policy: str, n: int, seed: int, warmup: str = "short", **options: object) -> dict:
-    llm = LLM(model, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048, scheduling_policy=policy,
-              seed=seed, **options)
+    llm = LLM(
+        model, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048, scheduling_policy=policy, seed=seed, **options
+    )
     prompts, params = workload(n, seed, llm.engine.vocab_size)
     llm.generate(*warmup_workload(n, seed, llm.engine.vocab_size, warmup), use_tqdm=False)
     steps = 0
@@ -55,6 +57,7 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, warmup: str 
         nonlocal steps
         steps += 1
         return step()
+
     llm.engine.step = counted
     llm.engine.step_trace.enable()
     start = time.perf_counter()
@@ -63,9 +66,18 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, warmup: str 
     records = llm.engine.step_trace.disable()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats()
-    return {"model": model, "dtype": dtype, "policy": policy, "seconds": elapsed, "output_tokens": tokens,
-            "tok_per_s": tokens / elapsed, "steps": steps, "preemptions": stats.num_preemptions,
-            "step_split": step_split(records), "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    return {
+        "model": model,
+        "dtype": dtype,
+        "policy": policy,
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / elapsed,
+        "steps": steps,
+        "preemptions": stats.num_preemptions,
+        "step_split": step_split(records),
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    }
 
 
 def step_split(records: list[StepRecord]) -> dict:
@@ -75,18 +87,34 @@ def step_split(records: list[StepRecord]) -> dict:
     by_rows: dict[int, list[float]] = {}
     for r in decode:
         by_rows.setdefault(len(r.work), []).append(r.duration_s)
-    return {"prefill_steps": len(records) - len(decode),
-            "prefill_s": sum(r.duration_s for r in records if r.tokens("prefill")),
-            "decode_steps": len(decode), "decode_s": sum(r.duration_s for r in decode),
-            "tokens": {k: sum(r.tokens(k) for r in records) for k in KINDS},
-            "decode_ms_by_rows": {n: 1e3 * statistics.median(d) for n, d in sorted(by_rows.items())}}
+    return {
+        "prefill_steps": len(records) - len(decode),
+        "prefill_s": sum(r.duration_s for r in records if r.tokens("prefill")),
+        "decode_steps": len(decode),
+        "decode_s": sum(r.duration_s for r in decode),
+        "tokens": {k: sum(r.tokens(k) for r in records) for k in KINDS},
+        "decode_ms_by_rows": {n: 1e3 * statistics.median(d) for n, d in sorted(by_rows.items())},
+    }
 
 
-def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, threads: int | None,
-                  bind: str = "off", warmup: str = "short") -> dict:
+def measure_fresh(
+    model: str,
+    dtype: str,
+    policy: str,
+    n: int,
+    seed: int,
+    threads: int | None,
+    bind: str = "off",
+    warmup: str = "short",
+) -> dict:
     """measure() in a process of its own, as the peer runs."""
-    cmd = [sys.executable, "-m", "benchmarks.throughput", "--one",
-           json.dumps([model, dtype, policy, n, seed, {"cpu_threads_bind": bind, "warmup": warmup}])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.throughput",
+        "--one",
+        json.dumps([model, dtype, policy, n, seed, {"cpu_threads_bind": bind, "warmup": warmup}]),
+    ]
     if threads:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -95,13 +123,21 @@ def measure_fresh(model: str, dtype: str, policy: str, n: int, seed: int, thread
 
 def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: str, warmup: str = "short") -> dict:
     from conveyor.engine.config import EngineConfig
+
     cfg = EngineConfig(model=model, dtype=dtype)
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
     warm, warm_params = warmup_workload(n, seed, cfg.hf_config.vocab_size, warmup)
-    spec = {"model": cfg.model_path, "dtype": dtype, "prompts": [p["prompt_token_ids"] for p in prompts],
-            "max_tokens": [p.max_tokens for p in params],
-            "warmup": {"prompts": [p["prompt_token_ids"] for p in warm], "max_tokens": [p.max_tokens for p in warm_params],
-                       "exact": warmup == "full"}}
+    spec = {
+        "model": cfg.model_path,
+        "dtype": dtype,
+        "prompts": [p["prompt_token_ids"] for p in prompts],
+        "max_tokens": [p.max_tokens for p in params],
+        "warmup": {
+            "prompts": [p["prompt_token_ids"] for p in warm],
+            "max_tokens": [p.max_tokens for p in warm_params],
+            "exact": warmup == "full",
+        },
+    }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
     if bind != "default":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
@@ -115,6 +151,7 @@ def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: s
 def transformers_run(model: str, dtype: str, n: int, seed: int) -> dict:
     from benchmarks.hf_static import measure_transformers
     from conveyor.engine.config import EngineConfig
+
     cfg = EngineConfig(model=model, dtype=dtype)
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
     return measure_transformers(cfg.model_path, dtype, prompts, params)
@@ -132,10 +169,13 @@ def agreement(ours: list[list[int]], peer: list[list[int]]) -> tuple[float, floa
 def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
     ratios, ours_all, peer_all = [], [], []
     for r in range(args.repeats):
-        ours = measure_fresh(model, dtype, "continuous", args.num_requests, args.seed, args.threads, args.bind,
-                             args.warmup)
-        peers = {b: measure_vllm(args.peer_vllm, model, dtype, args.num_requests, args.seed, b, args.warmup)
-                 for b in args.peer_binds}
+        ours = measure_fresh(
+            model, dtype, "continuous", args.num_requests, args.seed, args.threads, args.bind, args.warmup
+        )
+        peers = {
+            b: measure_vllm(args.peer_vllm, model, dtype, args.num_requests, args.seed, b, args.warmup)
+            for b in args.peer_binds
+        }
         best = max(peers, key=lambda b: peers[b]["tok_per_s"])
         ratios.append(ours["tok_per_s"] / peers[best]["tok_per_s"])
         ours_all.append(ours["tok_per_s"])
@@ -146,8 +186,11 @@ def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
             same, prefix = agreement(ours["token_ids"], peers[best]["token_ids"])
             line += f"; greedy agreement {100 * same:.0f}% of requests, {100 * prefix:.1f}% of tokens"
         print(line, flush=True)
-    print(f"{model:<12}{dtype:<10}ours {statistics.median(ours_all):.1f} tok/s, vLLM best binding "
-          f"{statistics.median(peer_all):.1f} tok/s, median ratio {statistics.median(ratios):.2f}", flush=True)
+    print(
+        f"{model:<12}{dtype:<10}ours {statistics.median(ours_all):.1f} tok/s, vLLM best binding "
+        f"{statistics.median(peer_all):.1f} tok/s, median ratio {statistics.median(ratios):.2f}",
+        flush=True,
+    )
 
 
 def work_bound(cont: dict, static: dict) -> float:
@@ -169,18 +212,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1, help="alternate the runs N times, keep each one's best")
     ap.add_argument("--peer-vllm", metavar="PYTHON", help="python of a venv with vllm-cpu: compare against it")
-    ap.add_argument("--peer-binds", nargs="+", default=["default", "0-1"],
-                    help="VLLM_CPU_OMP_THREADS_BIND values to try; the best is the peer's figure")
-    ap.add_argument("--peer-transformers", action="store_true",
-                    help="also time transformers' static generate on the same workload")
-    ap.add_argument("--bind", choices=("off", "auto"), default="off",
-                    help="EngineConfig.cpu_threads_bind for ours (auto: one torch thread pinned per core)")
-    ap.add_argument("--warmup", choices=("short", "full"), default="short",
-                    help="before the timed run: 4 tokens of two prompts, or a whole workload of another seed")
+    ap.add_argument(
+        "--peer-binds",
+        nargs="+",
+        default=["default", "0-1"],
+        help="VLLM_CPU_OMP_THREADS_BIND values to try; the best is the peer's figure",
+    )
+    ap.add_argument(
+        "--peer-transformers", action="store_true", help="also time transformers' static generate on the same workload"
+    )
+    ap.add_argument(
+        "--bind",
+        choices=("off", "auto"),
+        default="off",
+        help="EngineConfig.cpu_threads_bind for ours (auto: one torch thread pinned per core)",
+    )
+    ap.add_argument(
+        "--warmup",
+        choices=("short", "full"),
+        default="short",
+        help="before the timed run: 4 tokens of two prompts, or a whole workload of another seed",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         import torch
+
         torch.set_num_threads(args.threads)
     if args.one:
         *spec, options = json.loads(args.one)
@@ -197,8 +254,9 @@ def main() -> None:
             rows: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for p in ("continuous", "static"):
-                    r = measure_fresh(model, dtype, p, args.num_requests, args.seed, args.threads, args.bind,
-                                     args.warmup)
+                    r = measure_fresh(
+                        model, dtype, p, args.num_requests, args.seed, args.threads, args.bind, args.warmup
+                    )
                     if p not in rows or r["tok_per_s"] > rows[p]["tok_per_s"]:
                         rows[p] = r
             if args.peer_transformers:
@@ -209,17 +267,24 @@ def main() -> None:
                 tail = f"{ratio:>8.2f}" if p == "continuous" else ""
                 if p == "transformers":
                     tail = f"{rows['continuous']['tok_per_s'] / r['tok_per_s']:>8.2f}  (ours continuous / this)"
-                print(f"{model:<12}{dtype:<10}{p:<12}{r['tok_per_s']:>9.1f}{r['steps']:>7}{r['seconds']:>9.1f}{tail}",
-                      flush=True)
+                print(
+                    f"{model:<12}{dtype:<10}{p:<12}{r['tok_per_s']:>9.1f}{r['steps']:>7}{r['seconds']:>9.1f}{tail}",
+                    flush=True,
+                )
                 if "step_split" in r:
                     sp = r["step_split"]
                     by_rows = sp["decode_ms_by_rows"]
-                    print(f"{'':<22}prefill steps {sp['prefill_steps']} ({sp['prefill_s']:.1f} s), decode-only "
-                          f"{sp['decode_steps']} ({sp['decode_s']:.1f} s); tokens {sp['tokens']}; decode ms by rows "
-                          + ", ".join(f"{n}:{ms:.1f}" for n, ms in list(by_rows.items())[::max(1, len(by_rows) // 8)]),
-                          flush=True)
-            print(f"{'':<22}work bound on continuous / static {bound:.2f} (measured {ratio:.2f}, "
-                  f"{100 * ratio / bound:.0f}% of it)", flush=True)
+                    print(
+                        f"{'':<22}prefill steps {sp['prefill_steps']} ({sp['prefill_s']:.1f} s), decode-only "
+                        f"{sp['decode_steps']} ({sp['decode_s']:.1f} s); tokens {sp['tokens']}; decode ms by rows "
+                        + ", ".join(f"{n}:{ms:.1f}" for n, ms in list(by_rows.items())[:: max(1, len(by_rows) // 8)]),
+                        flush=True,
+                    )
+            print(
+                f"{'':<22}work bound on continuous / static {bound:.2f} (measured {ratio:.2f}, "
+                f"{100 * ratio / bound:.0f}% of it)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ heavy-tail: prompts heavy-tail:32,1024, outputs heavy-tail:16,384 (Pareto, alpha
 shared-prefix and memory-pressure: benchmarks/memory.py's workloads (512-token shared system prompt;
 a KV cache holding ~60% of the demand). At most 32 sequences, a 2048-token step budget, float32 by
 default. Greedy outputs must be identical across the policies (checked). Writes JSON and a bar chart."""
+
 import argparse
 import json
 import random
@@ -66,6 +67,7 @@ def capped(fn: Workload, cap: int | None) -> Workload:
     def run(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
         prompts, params = fn(n, vocab, seed)
         return prompts, [exact(min(cap, p.max_tokens)) for p in params]
+
     return run
 
 
@@ -76,18 +78,39 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         fn = capped(fn, args.cap_output_tokens)
         outputs = None
         for policy in args.policies:
-            r = memory.best(args.repeats, args.model, fn, args.num_requests, args.seed, dtype=args.dtype,
-                            scheduling_policy=policy, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, **options)
+            r = memory.best(
+                args.repeats,
+                args.model,
+                fn,
+                args.num_requests,
+                args.seed,
+                dtype=args.dtype,
+                scheduling_policy=policy,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                **options,
+            )
             outputs = outputs or r["outputs"]
             same = r["outputs"] == outputs
-            row = {"workload": name, "policy": policy, "tok_per_s": r["tok_per_s"], "seconds": r["seconds"],
-                   "steps": r["steps"], "output_tokens": sum(map(len, r["outputs"])), "preemptions": r["preemptions"],
-                   "prefix_cache_hit_tokens": r["hits"], "tokens_recomputed": r["recomputed"],
-                   "kv_blocks": r["blocks"], "outputs_match_first_policy": same}
+            row = {
+                "workload": name,
+                "policy": policy,
+                "tok_per_s": r["tok_per_s"],
+                "seconds": r["seconds"],
+                "steps": r["steps"],
+                "output_tokens": sum(map(len, r["outputs"])),
+                "preemptions": r["preemptions"],
+                "prefix_cache_hit_tokens": r["hits"],
+                "tokens_recomputed": r["recomputed"],
+                "kv_blocks": r["blocks"],
+                "outputs_match_first_policy": same,
+            }
             rows.append(row)
-            print(f"{name:<16}{policy:<12}{row['tok_per_s']:>9.1f}{row['steps']:>7}{row['seconds']:>9.2f}"
-                  f"{row['preemptions']:>7}{'' if same else '  OUTPUTS DIFFER'}", flush=True)
+            print(
+                f"{name:<16}{policy:<12}{row['tok_per_s']:>9.1f}{row['steps']:>7}{row['seconds']:>9.2f}"
+                f"{row['preemptions']:>7}{'' if same else '  OUTPUTS DIFFER'}",
+                flush=True,
+            )
             if not same:
                 raise AssertionError(f"{name}: greedy outputs of {policy} differ from {args.policies[0]}")
         if len(args.policies) > 1:
@@ -124,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
     result = run_all(args)
     args.out.write_text(json.dumps(result, indent=1))
     from benchmarks.charts import throughput_chart
+
     throughput_chart(result, args.plot)
     print(f"wrote {args.out} and {args.plot}")
     return 0

@@ -7,12 +7,11 @@ per step), dag (Ray Compiled Graph). "idle CPU/rank" is what a rank burns while 
 
     python -m benchmarks.tp --model demo:small --num-prompts 16 --max-tokens 32
 """
+
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,6 +38,7 @@ def dispatch_overhead_ms(llm: LLM, steps: int, batch: int) -> tuple[float, float
 def idle_cpu_percent(llm: LLM, seconds: float = 2.0) -> float:
     """CPU a waiting rank burns (mean over ranks, % of one core): a spinning channel shows up here."""
     import psutil
+
     workers = getattr(llm.engine.executor, "workers", [])
     if not workers:
         return 0.0
@@ -50,9 +50,12 @@ def idle_cpu_percent(llm: LLM, seconds: float = 2.0) -> float:
 
 def throughput(llm: LLM, args: argparse.Namespace) -> tuple[float, float]:
     import random
+
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(4, 8192) for _ in range(rng.randint(16, 64))]}
-               for _ in range(args.num_prompts)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(4, 8192) for _ in range(rng.randint(16, 64))]}
+        for _ in range(args.num_prompts)
+    ]
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine, steps = llm.engine, 0
@@ -79,6 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     from conveyor.engine.tp_executor import TPExecutor
+
     opts = dict(dtype="float32", max_num_seqs=args.num_prompts, max_model_len=256, enable_prefix_caching=False)
     rows = []
     try:
@@ -94,10 +98,14 @@ def main() -> None:
             rows.append((tp, mode, p50, p90, idle, tps, step_ms))
     finally:
         ray.shutdown()
-    print(f"\n{args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, float32, "
-          f"{args.threads} torch thread(s) per rank, {os.cpu_count()} CPUs")
-    print(f"{'TP':>3} {'dispatch':>8} {'overhead p50 ms':>16} {'p90 ms':>8} {'idle CPU/rank':>14} {'tokens/s':>10} "
-          f"{'ms/step':>9}")
+    print(
+        f"\n{args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, float32, "
+        f"{args.threads} torch thread(s) per rank, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'TP':>3} {'dispatch':>8} {'overhead p50 ms':>16} {'p90 ms':>8} {'idle CPU/rank':>14} {'tokens/s':>10} "
+        f"{'ms/step':>9}"
+    )
     for tp, mode, p50, p90, idle, tps, step_ms in rows:
         print(f"{tp:>3} {mode:>8} {p50:>16.3f} {p90:>8.3f} {idle:>13.0f}% {tps:>10.1f} {step_ms:>9.1f}")
 

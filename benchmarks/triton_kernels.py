@@ -6,10 +6,11 @@ timing against torch SDPA (flash backend, padded dense K/V) for decode and prefi
 Decode reports achieved bandwidth (K/V bytes read / time); prefill reports TFLOP/s and the ratio to
 SDPA. Without CUDA it says so, runs a tiny correctness pass under the Triton interpreter, exits 0.
 """
+
 import argparse
+import functools
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -32,8 +33,9 @@ PREFILL_FULL = PREFILL_QUICK + [(1, 16384, 0), (32, 512, 0), (1, 2048, 30720), (
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def paged_cache(num_seqs: int, seq_len: int, num_kv_heads: int, head_dim: int, block_size: int,
-                dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_cache(
+    num_seqs: int, seq_len: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_seq = -(-seq_len // block_size)
     shape = (num_seqs * per_seq, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, dtype=dtype, device=device)
@@ -68,15 +70,15 @@ def correctness(device: str, dtypes: list[torch.dtype], scale_up: int) -> bool:
             k, v, bt = paged_cache(len(lens), max(lens), kvh, d, bs, dtype, device)
             sl = torch.tensor(lens, dtype=torch.int32, device=device)
             q = torch.randn(len(lens), h, d, dtype=dtype, device=device)
-            want = reference.paged_decode_attention(q.float(), k.float(), v.float(), bt, sl, d ** -0.5)
+            want = reference.paged_decode_attention(q.float(), k.float(), v.float(), bt, sl, d**-0.5)
             for splits in (1, 4, None):
-                got = triton_ops.paged_decode_attention(q, k, v, bt, sl, d ** -0.5, num_splits=splits)
+                got = triton_ops.paged_decode_attention(q, k, v, bt, sl, d**-0.5, num_splits=splits)
                 ok &= check(f"decode {dtype} h{h}/kv{kvh} d{d} bs{bs} splits={splits}", got, want, dtype)
             q_lens = torch.tensor([1, bs + 1, 17 * scale_up, 0], device=device)
             qsl = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int32)
             sl = torch.tensor(lens, device=device).clamp_min(q_lens).to(torch.int32)
             q = torch.randn(int(qsl[-1]), h, d, dtype=dtype, device=device)
-            args = (bt, sl, qsl, int(q_lens.max()), d ** -0.5)
+            args = (bt, sl, qsl, int(q_lens.max()), d**-0.5)
             got = triton_ops.paged_prefill_attention(q, k, v, *args)
             want = reference.paged_prefill_attention(q.float(), k.float(), v.float(), *args)
             ok &= check(f"prefill {dtype} h{h}/kv{kvh} d{d} bs{bs}", got, want, dtype)
@@ -95,6 +97,7 @@ def correctness(device: str, dtypes: list[torch.dtype], scale_up: int) -> bool:
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """Best flash call for [B, h, L, d] q over [B, kvh, S, d] k/v: native GQA, else expanded heads."""
     from torch.nn.attention import SDPBackend, bias, sdpa_kernel
+
     mask = bias.causal_lower_right(q.shape[2], k.shape[2]) if causal and q.shape[2] != k.shape[2] else None
     is_causal = causal and mask is None
 
@@ -102,7 +105,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale:
         def fn() -> torch.Tensor:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, kk, vv, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+                    q, kk, vv, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                )
+
         return fn
 
     try:
@@ -114,11 +119,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale:
         return call(k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False), "flash(expanded kv)"
 
 
-def bench_decode(shapes: list, models: list, dtype: torch.dtype, hbm_tbps: float,
-                 device: str = "cuda") -> bool:
+def bench_decode(shapes: list, models: list, dtype: torch.dtype, hbm_tbps: float, device: str = "cuda") -> bool:
     print(f"\ndecode ({dtype}, block 16): bandwidth = K/V bytes read / time; target >= 70% of {hbm_tbps} TB/s")
-    print(f"{'model':<14}{'batch':>6}{'ctx':>7}{'splits':>7}{'triton us':>11}{'TB/s':>7}{'%HBM':>6}"
-          f"{'sdpa us':>10}{'vs sdpa':>9}  sdpa")
+    print(
+        f"{'model':<14}{'batch':>6}{'ctx':>7}{'splits':>7}{'triton us':>11}{'TB/s':>7}{'%HBM':>6}"
+        f"{'sdpa us':>10}{'vs sdpa':>9}  sdpa"
+    )
     ok = True
     for name in models:
         h, kvh, d = MODELS[name]
@@ -127,16 +133,18 @@ def bench_decode(shapes: list, models: list, dtype: torch.dtype, hbm_tbps: float
             sl = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             q = torch.randn(batch, h, d, dtype=dtype, device=device)
             splits = triton_ops._default_num_splits(batch, kvh, ctx, q.device)
-            run = lambda: triton_ops.paged_decode_attention(q, k, v, bt, sl, d ** -0.5, ctx)  # noqa: E731
+            run = functools.partial(triton_ops.paged_decode_attention, q, k, v, bt, sl, d**-0.5, ctx)
             ms = triton.testing.do_bench(run, return_mode="median")
             tbps = 2 * batch * ctx * kvh * d * k.element_size() / (ms * 1e-3) / 1e12
             kd, vd = dense(k, bt, ctx), dense(v, bt, ctx)
-            fn, label = sdpa(q[:, :, None], kd, vd, False, d ** -0.5)
+            fn, label = sdpa(q[:, :, None], kd, vd, False, d**-0.5)
             sdpa_ms = triton.testing.do_bench(fn, return_mode="median")
             err = rel_err(run(), fn()[:, :, 0])
             ok &= err <= TOL[dtype]
-            print(f"{name:<14}{batch:>6}{ctx:>7}{splits:>7}{ms * 1e3:>11.1f}{tbps:>7.2f}"
-                  f"{100 * tbps / hbm_tbps:>5.0f}%{sdpa_ms * 1e3:>10.1f}{err:>9.1e}  {label}")
+            print(
+                f"{name:<14}{batch:>6}{ctx:>7}{splits:>7}{ms * 1e3:>11.1f}{tbps:>7.2f}"
+                f"{100 * tbps / hbm_tbps:>5.0f}%{sdpa_ms * 1e3:>10.1f}{err:>9.1e}  {label}"
+            )
             del k, v, kd, vd
             torch.cuda.empty_cache()
     return ok
@@ -144,8 +152,10 @@ def bench_decode(shapes: list, models: list, dtype: torch.dtype, hbm_tbps: float
 
 def bench_prefill(shapes: list, models: list, dtype: torch.dtype, device: str = "cuda") -> bool:
     print(f"\nprefill ({dtype}, block 16): causal over cached prefix; target triton/sdpa <= 1.3")
-    print(f"{'model':<14}{'seqs':>5}{'new':>7}{'cached':>8}{'triton ms':>11}{'TFLOP/s':>9}"
-          f"{'sdpa ms':>9}{'ratio':>7}{'vs sdpa':>9}  sdpa")
+    print(
+        f"{'model':<14}{'seqs':>5}{'new':>7}{'cached':>8}{'triton ms':>11}{'TFLOP/s':>9}"
+        f"{'sdpa ms':>9}{'ratio':>7}{'vs sdpa':>9}  sdpa"
+    )
     ok = True
     for name in models:
         h, kvh, d = MODELS[name]
@@ -155,16 +165,18 @@ def bench_prefill(shapes: list, models: list, dtype: torch.dtype, device: str = 
             sl = torch.full((seqs,), total, dtype=torch.int32, device=device)
             qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device) * new
             q = torch.randn(seqs * new, h, d, dtype=dtype, device=device)
-            run = lambda: triton_ops.paged_prefill_attention(q, k, v, bt, sl, qsl, new, d ** -0.5, total)  # noqa
+            run = lambda: triton_ops.paged_prefill_attention(q, k, v, bt, sl, qsl, new, d**-0.5, total)  # noqa
             ms = triton.testing.do_bench(run, return_mode="median")
             flops = 4 * seqs * h * d * (new * cached + new * (new + 1) // 2)
             qd = q.view(seqs, new, h, d).transpose(1, 2)
-            fn, label = sdpa(qd, dense(k, bt, total), dense(v, bt, total), True, d ** -0.5)
+            fn, label = sdpa(qd, dense(k, bt, total), dense(v, bt, total), True, d**-0.5)
             sdpa_ms = triton.testing.do_bench(fn, return_mode="median")
             err = rel_err(run(), fn().transpose(1, 2).reshape(seqs * new, h, d))
             ok &= err <= TOL[dtype]
-            print(f"{name:<14}{seqs:>5}{new:>7}{cached:>8}{ms:>11.3f}{flops / (ms * 1e-3) / 1e12:>9.1f}"
-                  f"{sdpa_ms:>9.3f}{ms / sdpa_ms:>7.2f}{err:>9.1e}  {label}")
+            print(
+                f"{name:<14}{seqs:>5}{new:>7}{cached:>8}{ms:>11.3f}{flops / (ms * 1e-3) / 1e12:>9.1f}"
+                f"{sdpa_ms:>9.3f}{ms / sdpa_ms:>7.2f}{err:>9.1e}  {label}"
+            )
             del k, v
             torch.cuda.empty_cache()
     return ok

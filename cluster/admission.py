@@ -12,19 +12,21 @@ only within its lease of that headroom (cluster/leases.py), granted by the actor
 measured by receipt time on the actor and carried as an age in snapshots, so clocks of different hosts never
 get compared.
 """
-from dataclasses import asdict, dataclass, field
+
 import math
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
+from conveyor.cluster import placement
 from conveyor.cluster.hot_blocks import HotBlocks
 from conveyor.cluster.kv_index import KVIndex
-from conveyor.cluster import placement
 from conveyor.cluster.queue_time import queue_time_s, retry_after_s
 from conveyor.cluster.reservations import Reservation, ReservationBook, SettleRule
 from conveyor.cluster.score import replica_score
 from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
 from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
 from conveyor.engine.stats import DEFAULT_BLOCK_SIZE, cdiv
+
 
 def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
     """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)
@@ -130,13 +132,15 @@ class AdmissionController:
             saturated = True
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
         if prev is not None and stats.num_added is not None and prev.stats.num_added is not None:
-            self.book.count_arrivals(stats.replica_id, stats.num_added - prev.stats.num_added, now,
-                                     self.config.arrival_credit_s)
+            self.book.count_arrivals(
+                stats.replica_id, stats.num_added - prev.stats.num_added, now, self.config.arrival_credit_s
+            )
         self._settle(stats.replica_id, now)
         if kv_events is None:
             return False
-        return self.kv.apply(stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()),
-                             bool(kv_events.get("reset")))
+        return self.kv.apply(
+            stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()), bool(kv_events.get("reset"))
+        )
 
     def _settle(self, replica_id: str, now: float) -> None:
         """Drop reservations the replica's stats already include (cluster.reservations)."""
@@ -145,8 +149,13 @@ class AdmissionController:
             self.book.forget(replica_id)
             return
         cfg = self.config
-        self.book.settle(replica_id, entry.received_at, entry.stats.num_added is not None, now,
-                         SettleRule(cfg.settle_s, cfg.settle_max_s, cfg.arrival_credit_s))
+        self.book.settle(
+            replica_id,
+            entry.received_at,
+            entry.stats.num_added is not None,
+            now,
+            SettleRule(cfg.settle_s, cfg.settle_max_s, cfg.arrival_credit_s),
+        )
 
     def forget(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
@@ -176,8 +185,10 @@ class AdmissionController:
         Own reservations the actor has not shared yet count once per router (blocks: unless this router holds a
         lease, which bounds the others): until the next refresh each of the others may be admitting as much."""
         entry, own, k = self.replicas[replica_id], self.book.own(replica_id), self.num_routers
-        return (entry.shared_blocks + (1 if self.lease is not None else k) * sum(r.blocks for r in own),
-                entry.shared_requests + k * sum(r.requests for r in own))
+        return (
+            entry.shared_blocks + (1 if self.lease is not None else k) * sum(r.blocks for r in own),
+            entry.shared_requests + k * sum(r.requests for r in own),
+        )
 
     def lease_room(self, replica_id: str, now: float) -> int:
         """Blocks of its lease this router has not committed yet (0 once the lease has expired)."""
@@ -187,8 +198,9 @@ class AdmissionController:
     def unseen_blocks(self, replica_id: str) -> int:
         """Reserved blocks newer than the replica's last stats, every router's (own ones once per router)."""
         e = self.replicas[replica_id]
-        return e.shared_unseen_blocks + self.num_routers * sum(r.blocks for r in self.book.own(replica_id)
-                                                               if r.at > e.received_at)
+        return e.shared_unseen_blocks + self.num_routers * sum(
+            r.blocks for r in self.book.own(replica_id) if r.at > e.received_at
+        )
 
     def room(self, replica_id: str) -> int:
         e, bs = self.replicas[replica_id], self.config.block_size
@@ -281,16 +293,24 @@ class AdmissionController:
     def pressures(self, now: float) -> dict[str, float]:
         return {rid: self.pressure(rid) for rid, e in self.replicas.items() if self.fresh(e, now)}
 
-    def reserve(self, replica_id: str, num_blocks: int, now: float, requests: int = 1,
-                keys: Sequence[bytes] = ()) -> None:
+    def reserve(
+        self, replica_id: str, num_blocks: int, now: float, requests: int = 1, keys: Sequence[bytes] = ()
+    ) -> None:
         """Charge an admitted request to a replica until stats that can include it arrive."""
         if replica_id in self.replicas:
             self.book.add(Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
             self._settle(replica_id, now)
             self.hot.record(replica_id, keys, now)
 
-    def decide(self, num_prompt_blocks: int, now: float, largest_blocks: int | None = None,
-               keys: Sequence[bytes] = (), output_tokens: int = 0, num_seqs: int = 1) -> Decision:
+    def decide(
+        self,
+        num_prompt_blocks: int,
+        now: float,
+        largest_blocks: int | None = None,
+        keys: Sequence[bytes] = (),
+        output_tokens: int = 0,
+        num_seqs: int = 1,
+    ) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
         keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged with
@@ -311,14 +331,20 @@ class AdmissionController:
         if not open_:
             return Decision(False, [], retry, "saturated")
         cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}
-        need = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys)))
-                + self.output_blocks(rid, output_tokens, num_seqs) for rid in open_}
+        need = {
+            rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys)))
+            + self.output_blocks(rid, output_tokens, num_seqs)
+            for rid in open_
+        }
         fits = [rid for rid in open_ if self.fits(rid, need[rid])]
         if not fits:
             return Decision(False, [], retry, "no_room")
         if self.lease is not None:
-            leased = [rid for rid in fits if self.fits(rid, need[rid], self.lease_room(rid, now))
-                      or need[rid] > self.even_share(rid)]
+            leased = [
+                rid
+                for rid in fits
+                if self.fits(rid, need[rid], self.lease_room(rid, now)) or need[rid] > self.even_share(rid)
+            ]
             if not leased:
                 return Decision(False, [], retry, "lease", new_blocks=min(need[rid] for rid in fits))
             fits = leased
@@ -328,31 +354,45 @@ class AdmissionController:
             best = min(wait.values())
             fits = [rid for rid in fits if wait[rid] <= limit]
             if not fits:
-                return Decision(False, [], retry_after_s(best, limit, retry), "queue_time",
-                                queue_time_s=best)
+                return Decision(False, [], retry_after_s(best, limit, retry), "queue_time", queue_time_s=best)
         fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
-        return Decision(True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]],
-                        need[fits[0]])
+        return Decision(
+            True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]], need[fits[0]]
+        )
 
-    def rank(self, rids: list[str], keys: Sequence[bytes], prompt_blocks: int, cached: dict[str, int],
-             wait: dict[str, float], now: float) -> list[str]:
+    def rank(
+        self,
+        rids: list[str],
+        keys: Sequence[bytes],
+        prompt_blocks: int,
+        cached: dict[str, int],
+        wait: dict[str, float],
+        now: float,
+    ) -> list[str]:
         """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured, else
         by the KV-aware router's score. One pooled rate for all: replicas of one deployment run one model, and
         their own rates differ mostly by how much of their busy time went to decoding."""
         measured = [self.replicas[rid].rates for rid in rids]
         busy = sum(r.busy_s for r in measured if r.prefill_tokens > 0)
         if not self.config.placement or busy <= 0:
-            return sorted(rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid),
-                                                 rid))
+            return sorted(
+                rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid)
+            )
         rate = sum(r.prefill_tokens for r in measured if r.prefill_tokens > 0) / busy
         options = []
         for rid in rids:
             e = self.replicas[rid]
-            options.append(placement.Option(
-                rid, cached.get(rid, self.shared_blocks(rid, keys)),
-                self.queue_time(rid, self.shared_blocks(rid, keys)) / self.config.queue_time_safety,
-                rate, self.hot.count(rid, now, keys), e.stats.kv_blocks_total,
-                e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1]))
+            options.append(
+                placement.Option(
+                    rid,
+                    cached.get(rid, self.shared_blocks(rid, keys)),
+                    self.queue_time(rid, self.shared_blocks(rid, keys)) / self.config.queue_time_safety,
+                    rate,
+                    self.hot.count(rid, now, keys),
+                    e.stats.kv_blocks_total,
+                    e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1],
+                )
+            )
         return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
 
     def snapshot(self, now: float) -> dict[str, Any]:
@@ -360,13 +400,24 @@ class AdmissionController:
         for rid, e in sorted(self.replicas.items()):
             blocks, requests = self.reserved(rid)
             wait = self.queue_time(rid)
-            rows.append({**e.stats.to_dict(), "age_s": max(0.0, now - e.received_at),
-                         "saturated": e.saturated, "fresh": self.fresh(e, now), "admitting": self.open(e, now),
-                         "room_blocks": self.room(rid), "pressure": e.stats.pressure(),
-                         "reserved_blocks": blocks, "reserved_requests": requests, "rates": e.rates.to_dict(),
-                         "unseen_reserved_blocks": self.unseen_blocks(rid),
-                         "queue_time_s": wait if math.isfinite(wait) else -1.0,
-                         "kv_index_reported": self.kv.reported(rid), "kv_index_blocks": self.kv.size(rid)})
+            rows.append(
+                {
+                    **e.stats.to_dict(),
+                    "age_s": max(0.0, now - e.received_at),
+                    "saturated": e.saturated,
+                    "fresh": self.fresh(e, now),
+                    "admitting": self.open(e, now),
+                    "room_blocks": self.room(rid),
+                    "pressure": e.stats.pressure(),
+                    "reserved_blocks": blocks,
+                    "reserved_requests": requests,
+                    "rates": e.rates.to_dict(),
+                    "unseen_reserved_blocks": self.unseen_blocks(rid),
+                    "queue_time_s": wait if math.isfinite(wait) else -1.0,
+                    "kv_index_reported": self.kv.reported(rid),
+                    "kv_index_blocks": self.kv.size(rid),
+                }
+            )
         total = sum(r["kv_blocks_total"] for r in rows)
         free = sum(r["kv_blocks_free"] for r in rows)
         queries = sum(r["prefix_cache_queries"] for r in rows)
@@ -393,8 +444,10 @@ class AdmissionController:
 
     def kv_snapshot(self, since: int | None) -> dict[str, Any]:
         """The KV index's changes since version `since`, and each replica's reserved block keys."""
-        return {"changes": self.kv.changes(since),
-                "pending": {rid: sorted(self.pending_keys(rid)) for rid in self.replicas}}
+        return {
+            "changes": self.kv.changes(since),
+            "pending": {rid: sorted(self.pending_keys(rid)) for rid in self.replicas},
+        }
 
     def restore(self, snapshot: dict[str, Any], now: float, asked_at: float | None = None) -> None:
         """Replace config and state with an actor snapshot; ages are re-based onto this process's clock.
@@ -405,11 +458,19 @@ class AdmissionController:
         self.hot.window_s = self.config.hot_window_s
         kv = snapshot.get("kv") or {}
         pending = kv.get("pending", {})
-        self.replicas = {r["replica_id"]: ReplicaEntry(
-            ReplicaStats.from_dict(r), now - r["age_s"], r["saturated"], Rates(**r.get("rates", {})),
-            r.get("reserved_blocks", 0), r.get("reserved_requests", 0), frozenset(pending.get(r["replica_id"], ())),
-            r.get("unseen_reserved_blocks", 0))
-            for r in snapshot["replicas"]}
+        self.replicas = {
+            r["replica_id"]: ReplicaEntry(
+                ReplicaStats.from_dict(r),
+                now - r["age_s"],
+                r["saturated"],
+                Rates(**r.get("rates", {})),
+                r.get("reserved_blocks", 0),
+                r.get("reserved_requests", 0),
+                frozenset(pending.get(r["replica_id"], ())),
+                r.get("unseen_reserved_blocks", 0),
+            )
+            for r in snapshot["replicas"]
+        }
         self.book.shared()
         self.num_routers = max(1, int(snapshot.get("routers", 1)))
         self.lease = snapshot.get("lease")
@@ -429,10 +490,17 @@ class AdmissionController:
 def prometheus_text(snapshot: dict[str, Any], prefix: str = "conveyor") -> str:
     """Prometheus exposition of a snapshot, to append to the app's /metrics."""
     lines: list[str] = []
-    per_replica = [("kv_cache_utilization", "kv_cache_utilization"), ("pressure", "kv_pressure"),
-                   ("kv_blocks_free", "kv_blocks_free"), ("num_running", "running_requests"),
-                   ("num_waiting", "waiting_requests"), ("num_preemptions", "preemptions"),
-                   ("saturated", "saturated"), ("admitting", "admitting"), ("age_s", "stats_age_seconds")]
+    per_replica = [
+        ("kv_cache_utilization", "kv_cache_utilization"),
+        ("pressure", "kv_pressure"),
+        ("kv_blocks_free", "kv_blocks_free"),
+        ("num_running", "running_requests"),
+        ("num_waiting", "waiting_requests"),
+        ("num_preemptions", "preemptions"),
+        ("saturated", "saturated"),
+        ("admitting", "admitting"),
+        ("age_s", "stats_age_seconds"),
+    ]
     for key, name in per_replica:
         lines.append(f"# TYPE {prefix}_replica_{name} gauge")
         for r in snapshot["replicas"]:

@@ -8,11 +8,12 @@ over the router's new reservations and returns a snapshot with every router's re
 index's changes since the router's last version, so several routers see each other's decisions within
 one refresh.
 """
+
 import asyncio
-from dataclasses import replace
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Sequence
 
 from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision
@@ -44,9 +45,14 @@ class AdmissionActor:
         self.controller.expire(now)
         return {"kv_reset": reset}
 
-    def sync(self, reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
-             kv_since: int | None = None, router_id: str | None = None, demand: int = 0,
-             short: int = 0) -> dict[str, Any]:
+    def sync(
+        self,
+        reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
+        kv_since: int | None = None,
+        router_id: str | None = None,
+        demand: int = 0,
+        short: int = 0,
+    ) -> dict[str, Any]:
         """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
         keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
         "routers": how many routers synced in the last `ROUTER_TTL_S`, and with `leases` on, "lease": the
@@ -89,7 +95,6 @@ class AdmissionActor:
         self.controller.config = replace(self.controller.config, **config)
 
 
-
 class AdmissionClient:
     """Router side: a local controller restored from the actor's snapshot every `refresh_s` in the
     background (with `quiet_when_idle`, while the router decides nothing and no replica works, every
@@ -101,8 +106,12 @@ class AdmissionClient:
     it admits with no replica list (reason "fail_open"), so the request router falls back to the replicas'
     own routing stats, and logs it."""
 
-    def __init__(self, get_actor: Callable[[], Awaitable[Any]], refresh_s: float = 0.05,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        get_actor: Callable[[], Awaitable[Any]],
+        refresh_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.controller = AdmissionController()
         self.snapshot: dict[str, Any] | None = None
         self.refresh_s, self._get_actor, self.clock = refresh_s, get_actor, clock
@@ -160,8 +169,12 @@ class AdmissionClient:
             except Exception as e:
                 log.warning("admission snapshot refresh failed: %r", e)
                 await asyncio.sleep(0.5)
-            self.quiet = (self.controller.config.quiet_when_idle and self.decisions == decided and not self.queued
-                          and self.controller.idle())
+            self.quiet = (
+                self.controller.config.quiet_when_idle
+                and self.decisions == decided
+                and not self.queued
+                and self.controller.idle()
+            )
             try:
                 await asyncio.wait_for(self._wake.wait(), self.idle_refresh_s if self.quiet else self.refresh_s)
             except asyncio.TimeoutError:
@@ -177,8 +190,14 @@ class AdmissionClient:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def decide(self, num_prompt_blocks: int, largest_blocks: int | None = None,
-                     keys: Sequence[bytes] = (), num_seqs: int = 1, output_tokens: int = 0) -> Decision:
+    async def decide(
+        self,
+        num_prompt_blocks: int,
+        largest_blocks: int | None = None,
+        keys: Sequence[bytes] = (),
+        num_seqs: int = 1,
+        output_tokens: int = 0,
+    ) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
         refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens."""
         self.decisions += 1
@@ -246,6 +265,10 @@ class AdmissionClient:
         now = self.clock()
         if now - self.fail_open_logged_at > 5.0:
             self.fail_open_logged_at = now
-            log.warning("admission actor unreachable (%r) and the view is %s: admitting without admission control "
-                        "(routing by the replicas' own load)", error, refused.reason)
+            log.warning(
+                "admission actor unreachable (%r) and the view is %s: admitting without admission control "
+                "(routing by the replicas' own load)",
+                error,
+                refused.reason,
+            )
         return Decision(True, [], 0.0, "fail_open")

@@ -19,9 +19,10 @@ Replicas push these metrics every `autoscaling_config.metrics_interval_s` (defau
 RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables are defined but not read in 2.60). The
 policy runs in the Serve controller, which receives this module by value: it imports no torch.
 """
-from dataclasses import dataclass, replace
+
 import math
 import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
@@ -63,8 +64,14 @@ def _after_delay(state: dict[str, Any], key: str, other: str, delay_s: float, no
     return False
 
 
-def desired_replicas(current: int, utilizations: Sequence[float], waiting: Sequence[float],
-                     cfg: KVScalingConfig, state: dict[str, Any], now: float) -> int:
+def desired_replicas(
+    current: int,
+    utilizations: Sequence[float],
+    waiting: Sequence[float],
+    cfg: KVScalingConfig,
+    state: dict[str, Any],
+    now: float,
+) -> int:
     """`current` is the deployment's current target; one utilisation/waiting value per reporting
     replica. `state` is mutated (keeps when a scale direction was first wanted)."""
     n = len(utilizations)
@@ -74,8 +81,11 @@ def desired_replicas(current: int, utilizations: Sequence[float], waiting: Seque
         mean_wait = sum(waiting) / len(waiting) if waiting else 0.0
         target = cfg.target_kv_utilization
         if mean_util > target * (1 + cfg.tolerance) or mean_wait > cfg.target_waiting_per_replica:
-            want = max(current, math.ceil(n * mean_util / target - 1e-9),
-                       math.ceil(n * mean_wait / cfg.target_waiting_per_replica - 1e-9))
+            want = max(
+                current,
+                math.ceil(n * mean_util / target - 1e-9),
+                math.ceil(n * mean_wait / cfg.target_waiting_per_replica - 1e-9),
+            )
         elif mean_util < target * (1 - cfg.tolerance) and n >= current:
             want = math.ceil(n * mean_util / target - 1e-9)
     want = max(cfg.min_replicas, min(cfg.max_replicas, want))
@@ -99,10 +109,19 @@ class KVCacheAutoscalingPolicy:
         util = metrics.get(DEMAND_METRIC, {})
         wait = metrics.get(WAITING_METRIC, {})
         running = list(ctx.running_replicas)
-        cfg = replace(self.config, min_replicas=ctx.capacity_adjusted_min_replicas,
-                      max_replicas=ctx.capacity_adjusted_max_replicas)
+        cfg = replace(
+            self.config,
+            min_replicas=ctx.capacity_adjusted_min_replicas,
+            max_replicas=ctx.capacity_adjusted_max_replicas,
+        )
         state = dict(ctx.policy_state or {})
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        n = desired_replicas(ctx.target_num_replicas, [float(util[r]) for r in running if r in util],
-                             [float(wait[r]) for r in running if r in wait], cfg, state, now)
+        n = desired_replicas(
+            ctx.target_num_replicas,
+            [float(util[r]) for r in running if r in util],
+            [float(wait[r]) for r in running if r in wait],
+            cfg,
+            state,
+            now,
+        )
         return n, state

@@ -1,6 +1,7 @@
 """Per replica, the prompt blocks its cache should keep: block keys sent there at least twice within
 `window_s`, and for a prompt whose first block was sent there once (a prefix nobody reused yet, or a
 one-off prompt) all its blocks. The rest of a once-sent prompt is its own tail and does not count."""
+
 from collections import OrderedDict
 from typing import Iterable, Sequence
 

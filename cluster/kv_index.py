@@ -6,6 +6,7 @@ not applied: `apply` answers that it must send a reset (the replica then lists i
 Other processes (routers) follow the index through `changes(since)`: the pushes applied after version
 `since` while the bounded log still holds them, else a full copy; `load` applies either.
 """
+
 from collections import deque
 from typing import Any, Iterable, Sequence
 
@@ -59,8 +60,11 @@ class KVIndex:
         return n
 
     def changes(self, since: int | None) -> dict[str, Any]:
-        if since is not None and since <= self.version and (since == self.version or
-                                                            (self.log and self.log[0][0] <= since + 1)):
+        if (
+            since is not None
+            and since <= self.version
+            and (since == self.version or (self.log and self.log[0][0] <= since + 1))
+        ):
             return {"version": self.version, "events": [e for e in self.log if e[0] > since]}
         return {"version": self.version, "full": {rid: list(keys) for rid, keys in self.keys.items()}}
 

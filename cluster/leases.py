@@ -15,8 +15,9 @@ and claims are served first come first served (a later grant leaves room for an 
 request larger than an even share of an idle replica cannot wait for a lease; the router decides it on its
 own view (cluster.admission).
 """
-from dataclasses import dataclass, field
+
 import math
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,16 +37,18 @@ class Leases:
     def expire(self, now: float) -> None:
         self.held = {r: lease for r, lease in self.held.items() if now - lease.granted_at <= self.ttl_s}
 
-    def grant(self, router_id: str, headroom: dict[str, int], now: float, demand: int = 0,
-              routers: int = 1, short: int = 0) -> dict[str, int]:
+    def grant(
+        self, router_id: str, headroom: dict[str, int], now: float, demand: int = 0, routers: int = 1, short: int = 0
+    ) -> dict[str, int]:
         """The router's new lease; its old one is spent (its reservations came with this sync) or returned.
         `routers`: how many routers synced lately, this one included; `short`: its claim."""
         prev = self.held.pop(router_id, None)
         since = (prev.short_since if prev is not None and prev.short_since is not None else now) if short else None
         self.expire(now)
         others = list(self.held.values())
-        earlier = [o for o in others
-                   if o.short and o.short_since is not None and (since is None or o.short_since < since)]
+        earlier = [
+            o for o in others if o.short and o.short_since is not None and (since is None or o.short_since < since)
+        ]
         total_demand = demand + sum(o.demand for o in others)
         k = max(routers, len(others) + 1)
         share = 0.5 / k + 0.5 * (demand / total_demand if total_demand else 1.0 / k)

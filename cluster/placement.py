@@ -7,6 +7,7 @@ cache, for blocks other prompts reused recently) push hot blocks out, to be pref
 stays on the replica holding it until that replica's queue costs more than the prefill it saves (then it is
 copied to the other), and a new prefix goes where it evicts no hot one: hot prefixes spread by capacity.
 """
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -47,6 +48,16 @@ def rank(options: Sequence[Option], prompt_blocks: int, block_size: int, hot_fra
     """Replica ids, cheapest first; ties by the blocks held (no second copy of a prefix for nothing), then
     (a prompt no replica holds, queues alike) by the share of the hot capacity that hot blocks fill, so new
     prefixes spread by capacity before they evict anything, then by load."""
-    return [o.replica_id for o in sorted(options, key=lambda o: (
-        cost_s(o, prompt_blocks, block_size, hot_fraction), -o.cached_blocks, hot_share(o, hot_fraction),
-        o.load, o.replica_id))]
+    return [
+        o.replica_id
+        for o in sorted(
+            options,
+            key=lambda o: (
+                cost_s(o, prompt_blocks, block_size, hot_fraction),
+                -o.cached_blocks,
+                hot_share(o, hot_fraction),
+                o.load,
+                o.replica_id,
+            ),
+        )
+    ]

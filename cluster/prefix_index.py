@@ -1,5 +1,6 @@
 """Router-side memory of which prompt blocks (chain hashes) were sent to which replica, LRU-bounded per
 replica by the replica's KV-cache size when known: blocks a replica must have evicted stop attracting."""
+
 from collections import OrderedDict
 from typing import Iterable, Sequence
 

@@ -10,13 +10,15 @@ engine counts a queued prompt's cached tokens too, so those are scaled by the me
 ratio). Requests admitted but not yet in the stats count as queued. With a queue but no measured finish
 rate the wait is unknown: infinite, so a cold replica takes what its free slots hold and no more.
 """
+
 import math
 
 from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
 
 
-def queue_time_s(stats: ReplicaStats, rates: Rates, extra_requests: int = 0, extra_tokens: int = 0,
-                 block_size: int | None = None) -> float:
+def queue_time_s(
+    stats: ReplicaStats, rates: Rates, extra_requests: int = 0, extra_tokens: int = 0, block_size: int | None = None
+) -> float:
     """block_size: the replica's (its stats') unless given."""
     block_size = block_size or stats.block_size
     ahead = stats.num_waiting + extra_requests

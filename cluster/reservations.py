@@ -8,12 +8,14 @@ arrives goes after `settle_max_s`. From a replica without the counter, a reserva
 received `settle_s` after it arrive. A reservation settled on arrival keeps its prefix keys pending for
 `settle_s`: the KV events of its prefill may come later.
 """
+
 from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class Reservation:
     """An admitted request not yet in its replica's stats. `at`: when this process learnt of it."""
+
     replica_id: str
     at: float
     blocks: int

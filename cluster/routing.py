@@ -24,6 +24,7 @@ Wiring (Ray Serve 2.60):
   `PrefixIndex` that learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted the
   request (the default, strict max_ongoing_requests path).
 """
+
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -35,7 +36,6 @@ from conveyor.cluster.stats import ReplicaStats, block_hashes, num_blocks
 from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
 from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
-
 MAX_PREFIX_BLOCKS = 256
 
 
@@ -44,6 +44,7 @@ class RoutingHint:
     """What the caller knows: the prompt's block keys, and from admission (fresher than routing stats)
     the replicas with room for it, each replica's KV pressure including prompts just admitted, and the
     leading blocks of the prompt each reported replica really holds."""
+
     prefix_hashes: tuple[bytes, ...] = ()
     num_prompt_blocks: int = 0
     replicas: tuple[str, ...] = ()
@@ -51,20 +52,32 @@ class RoutingHint:
     cached_blocks: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_token_ids(cls, token_ids: Sequence[int], block_size: int, replicas: Sequence[str] = (),
-                       pressure: dict[str, float] | None = None, salt: str | None = None,
-                       cached_blocks: dict[str, int] | None = None, keys: Sequence[bytes] | None = None,
-                       ) -> "RoutingHint":
+    def from_token_ids(
+        cls,
+        token_ids: Sequence[int],
+        block_size: int,
+        replicas: Sequence[str] = (),
+        pressure: dict[str, float] | None = None,
+        salt: str | None = None,
+        cached_blocks: dict[str, int] | None = None,
+        keys: Sequence[bytes] | None = None,
+    ) -> "RoutingHint":
         keys = block_hashes(token_ids, block_size, salt, MAX_PREFIX_BLOCKS) if keys is None else keys
-        return cls(tuple(keys), num_blocks(len(token_ids), block_size), tuple(replicas), dict(pressure or {}),
-                   dict(cached_blocks or {}))
+        return cls(
+            tuple(keys),
+            num_blocks(len(token_ids), block_size),
+            tuple(replicas),
+            dict(pressure or {}),
+            dict(cached_blocks or {}),
+        )
 
 
 def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None:
     """Found by shape, not class: Ray ships this module to the caller's process by value (cloudpickle), so
     the caller's `RoutingHint` is not the class this module sees there."""
-    return next((a for a in (kwargs.get("routing_hint"), *args)
-                 if hasattr(a, "prefix_hashes") and hasattr(a, "replicas")), None)
+    return next(
+        (a for a in (kwargs.get("routing_hint"), *args) if hasattr(a, "prefix_hashes") and hasattr(a, "replicas")), None
+    )
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class RouterConfig:
 class Candidate:
     """`ongoing` (requests at the replica, Ray's fresh count) and `pressure` (admission's) override the
     slower routing stats when known."""
+
     replica_id: str
     stats: ReplicaStats | None = None
     ongoing: int | None = None
@@ -102,9 +116,14 @@ class Scored:
     saturated: bool
 
 
-def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[bytes], index: PrefixIndex,
-                   cfg: RouterConfig, was_saturated: dict[str, bool] | None = None,
-                   cached_blocks: dict[str, int] | None = None) -> list[Scored]:
+def score_replicas(
+    candidates: Sequence[Candidate],
+    prefix_hashes: Sequence[bytes],
+    index: PrefixIndex,
+    cfg: RouterConfig,
+    was_saturated: dict[str, bool] | None = None,
+    cached_blocks: dict[str, int] | None = None,
+) -> list[Scored]:
     """Scores, best first. Replicas with neither stats nor a pressure count as empty. Affinity: the leading
     blocks a replica holds (`cached_blocks`, real contents) or else, unreported, `index`'s guess."""
     marks = Watermarks(cfg.high_watermark, cfg.low_watermark)
@@ -126,12 +145,15 @@ def score_replicas(candidates: Sequence[Candidate], prefix_hashes: Sequence[byte
 
 
 def overloaded(preferred: Scored, least: Scored, cfg: RouterConfig) -> bool:
-    return (preferred.load - least.load > cfg.max_queue_imbalance
-            or preferred.pressure - least.pressure > cfg.max_pressure_imbalance)
+    return (
+        preferred.load - least.load > cfg.max_queue_imbalance
+        or preferred.pressure - least.pressure > cfg.max_pressure_imbalance
+    )
 
 
-def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = (), ordered: bool = False
-           ) -> list[str]:
+def choose(
+    scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = (), ordered: bool = False
+) -> list[str]:
     """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
     relative to it), then the rest. Saturated replicas only when every replica is saturated;
     replicas outside `allowed` (admission's list) only after the allowed ones; `ordered`: the allowed ones
@@ -140,8 +162,9 @@ def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] =
     elsewhere, it would be counted on neither replica until its reservation expired)."""
     ok = {rid: i for i, rid in enumerate(allowed)}
     trusted = ordered and any(s.replica_id in ok for s in scored)  # admission checked their room just now
-    usable = ([s for s in scored if not s.saturated or (trusted and s.replica_id in ok)]
-              or sorted(scored, key=lambda s: (s.load, s.pressure)))
+    usable = [s for s in scored if not s.saturated or (trusted and s.replica_id in ok)] or sorted(
+        scored, key=lambda s: (s.load, s.pressure)
+    )
     if not usable:
         return []
     pool = [s for s in usable if s.replica_id in ok] or usable
@@ -180,14 +203,23 @@ class KVAwareRequestRouter(RequestRouter):
     def rank(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None) -> list[RunningReplica]:
         self._ensure_state()
         by_id = {r.replica_id.unique_id: r for r in replicas}
-        scored = score_replicas(self.candidates(replicas, hint), hint.prefix_hashes if hint else (), self.index,
-                                self.config, self.saturated, getattr(hint, "cached_blocks", None))
+        scored = score_replicas(
+            self.candidates(replicas, hint),
+            hint.prefix_hashes if hint else (),
+            self.index,
+            self.config,
+            self.saturated,
+            getattr(hint, "cached_blocks", None),
+        )
         self.saturated.update({s.replica_id: s.saturated for s in scored})
-        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else (),
-                                             self.config.follow_admission)]
+        return [
+            by_id[rid]
+            for rid in choose(scored, self.config, hint.replicas if hint else (), self.config.follow_admission)
+        ]
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         hint = None
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # else Ray retries full replicas without sleeping

@@ -1,5 +1,6 @@
 """The replica score of the KV-aware router, which admission also ranks by (so the replica admission reserves
 a request on is the one the router picks): prefix affinity + KV headroom + a short queue."""
+
 from typing import Protocol
 
 

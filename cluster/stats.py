@@ -3,8 +3,9 @@
 A replica reports `EngineStats.to_dict() | {"replica_id": id}`; `ReplicaStats.from_dict` reads it.
 The replica id is `serve.get_replica_context().replica_id.unique_id` everywhere in cluster/.
 """
-from dataclasses import asdict, dataclass, fields, replace
+
 import math
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Sequence
 
 from conveyor.engine import prefix_hash
@@ -73,8 +74,9 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
     return cdiv(num_tokens, block_size) if num_tokens > 0 else 0
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
-                 max_blocks: int | None = None) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: str | None = None, max_blocks: int | None = None
+) -> list[bytes]:
     """The engine's own prefix-cache keys of the prompt's full blocks (engine/prefix_hash.py)."""
     return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks)
 
@@ -85,6 +87,7 @@ class Rates:
     a new request drains at. Busy: time inside its steps, or all the time between two pushes when it had work
     at the first (output processing and streaming between steps delay a queue too; measured under 10x
     overload, rates per step time alone drained queues 2-4x faster than they did). Zero: not measured yet."""
+
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
@@ -116,15 +119,23 @@ class Rates:
         n = self.steps * keep + max(0, cur.num_steps - prev.num_steps)
         q = max(0, cur.prefix_cache_queries - prev.prefix_cache_queries)
         m = max(0, q - max(0, cur.prefix_cache_hits - prev.prefix_cache_hits))
-        return Rates(p / b, d / b, f / b, n / b, b, p, d, f, n, self.prompt_tokens * keep + q,
-                     self.missed_tokens * keep + m)
+        return Rates(
+            p / b, d / b, f / b, n / b, b, p, d, f, n, self.prompt_tokens * keep + q, self.missed_tokens * keep + m
+        )
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
-def push_due(last: ReplicaStats | None, current: ReplicaStats, last_push_at: float, now: float,
-             interval_s: float = 0.1, big_change: float = 0.1, idle_interval_s: float = 0.0) -> bool:
+def push_due(
+    last: ReplicaStats | None,
+    current: ReplicaStats,
+    last_push_at: float,
+    now: float,
+    interval_s: float = 0.1,
+    big_change: float = 0.1,
+    idle_interval_s: float = 0.0,
+) -> bool:
     """Replica-side push rule: every `interval_s`, or at once on a big change in KV pressure/queue; an idle
     replica whose stats have not moved since the last push, only every `idle_interval_s` (a heartbeat)."""
     if last is None:

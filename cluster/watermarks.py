@@ -1,4 +1,5 @@
 """KV-demand watermarks with hysteresis: the one definition admission and routing share."""
+
 from dataclasses import dataclass
 
 HIGH_WATERMARK = 0.90

@@ -7,6 +7,7 @@ other distributions also use (`kernels`: Hugging Face's, which transformers impo
 checkout (`python -m ...`, Ray workers, whose working directory is the driver's) has the checkout first on
 sys.path, where those folders would shadow the installed distributions: importing conveyor moves it last.
 """
+
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """`conveyor` command line: make-model, fetch, generate, bench (serve, throughput, timeline)."""
+
 import argparse
 import sys
 
@@ -7,6 +8,7 @@ from conveyor.engine.demo import add_make_model_args, run_make_model
 
 def _generate(args: argparse.Namespace) -> int:
     from conveyor.engine import LLM, SamplingParams
+
     llm = LLM(args.model, revision=args.revision, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
@@ -16,10 +18,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _fetch(args: argparse.Namespace) -> int:
     from conveyor.engine.model_source import resolve_model
+
     print(resolve_model(args.model, args.revision))
     return 0
+
+
 def _bench(argv: list[str]) -> int:
     from benchmarks.cli import main as bench_main
+
     return bench_main(argv)
 
 

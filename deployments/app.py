@@ -20,7 +20,6 @@ from conveyor.deployments.router import Router
 from conveyor.deployments.tool_parsers import TOOL_PARSERS
 from conveyor.engine import EngineConfig
 
-
 CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")
 
 
@@ -37,9 +36,13 @@ class KVAutoscaling(BaseModel):
     policy: dict[str, float] = {}
 
     def config(self) -> AutoscalingConfig:
-        policy = {"policy_function": "conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy", "policy_kwargs": self.policy}
-        return AutoscalingConfig(**self.model_dump(exclude={"policy"}), upscale_delay_s=0, downscale_delay_s=0,
-                                 policy=policy)
+        policy = {
+            "policy_function": "conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy",
+            "policy_kwargs": self.policy,
+        }
+        return AutoscalingConfig(
+            **self.model_dump(exclude={"policy"}), upscale_delay_s=0, downscale_delay_s=0, policy=policy
+        )
 
 
 def check_fields(name: str, cls: type, kwargs: dict[str, Any], exclude: tuple[str, ...] = ()) -> None:
@@ -109,15 +112,20 @@ class AppArgs(BaseModel):
             message = m.group(2) if m else str(e)
             raise ValueError(message if re.match(r"(model|revision):", message) else f"model: {message}") from None
         if self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})")
+            raise ValueError(
+                f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})"
+            )
         if self.chat_template is not None and "{" not in self.chat_template and self.template_file() is None:
-            raise ValueError(f"chat_template: {self.chat_template!r} is neither a template, a file, nor one of the "
-                             f"shipped templates ({', '.join(sorted(p.stem for p in CHAT_TEMPLATES.glob('*.jinja')))})")
+            raise ValueError(
+                f"chat_template: {self.chat_template!r} is neither a template, a file, nor one of the "
+                f"shipped templates ({', '.join(sorted(p.stem for p in CHAT_TEMPLATES.glob('*.jinja')))})"
+            )
         if self.autoscaling is not None and self.kv_autoscaling is not None:
             raise ValueError("autoscaling: set autoscaling or kv_autoscaling, not both")
         if self.kv_autoscaling is not None:
-            check_fields("kv_autoscaling.policy", KVScalingConfig, self.kv_autoscaling.policy,
-                         ("min_replicas", "max_replicas"))
+            check_fields(
+                "kv_autoscaling.policy", KVScalingConfig, self.kv_autoscaling.policy, ("min_replicas", "max_replicas")
+            )
             if self.kv_autoscaling.max_replicas < self.kv_autoscaling.min_replicas:
                 raise ValueError("kv_autoscaling.max_replicas: must be >= min_replicas")
         if self.admission is not None:
@@ -125,7 +133,9 @@ class AppArgs(BaseModel):
         elif self.max_queue_time_s is not None:
             raise ValueError("max_queue_time_s: needs admission (it is off)")
         if self.request_router is not None and self.topology == "single":
-            raise ValueError("request_router: must be null with topology: single (the proxy routes to the one deployment)")
+            raise ValueError(
+                "request_router: must be null with topology: single (the proxy routes to the one deployment)"
+            )
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
@@ -149,8 +159,11 @@ class AppArgs(BaseModel):
 
     def admission_config(self) -> dict[str, Any]:
         """Admission ranks replicas with the KV-aware router's weights, so it reserves where the router sends."""
-        weights = {k: v for k, v in (self.request_router or {}).items()
-                   if k in ("affinity_weight", "headroom_weight", "queue_weight")}
+        weights = {
+            k: v
+            for k, v in (self.request_router or {}).items()
+            if k in ("affinity_weight", "headroom_weight", "queue_weight")
+        }
         limit = {} if self.max_queue_time_s is None else {"max_queue_time_s": self.max_queue_time_s}
         return {**weights, **(self.admission or {}), **limit, "block_size": self.block_size}
 
@@ -179,10 +192,15 @@ class AppArgs(BaseModel):
         worker = {"CPU": self.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}
         threads = str(self.torch_threads or max(1, int(self.replica_num_cpus)))
         opts: dict[str, Any] = dict(
-            ray_actor_options={"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0),
-                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **self.serve_env()}}},
-            placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []), placement_group_strategy="STRICT_PACK",
-            max_ongoing_requests=self.max_ongoing_requests)
+            ray_actor_options={
+                "num_cpus": head["CPU"],
+                "num_gpus": head.get("GPU", 0),
+                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **self.serve_env()}},
+            },
+            placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []),
+            placement_group_strategy="STRICT_PACK",
+            max_ongoing_requests=self.max_ongoing_requests,
+        )
         if self.autoscaling is not None or self.kv_autoscaling is not None:
             scaling = self.kv_autoscaling.config() if self.kv_autoscaling is not None else self.autoscaling
             opts.update(num_replicas="auto", autoscaling_config=scaling)
@@ -193,11 +211,17 @@ class AppArgs(BaseModel):
                 request_router_class="conveyor.cluster.routing:KVAwareRequestRouter",
                 request_router_kwargs={**self.request_router, "block_size": self.block_size},
                 request_routing_stats_period_s=self.request_routing_stats_period_s,
-                request_routing_stats_timeout_s=max(2.0, 4 * self.request_routing_stats_period_s))
+                request_routing_stats_timeout_s=max(2.0, 4 * self.request_routing_stats_period_s),
+            )
         if self.admission is not None:
-            opts["deployment_actors"] = [DeploymentActorConfig(
-                name=ADMISSION_ACTOR, actor_class=ray.remote(AdmissionActor), actor_options={"num_cpus": 0},
-                init_kwargs={"config": self.admission_config()})]
+            opts["deployment_actors"] = [
+                DeploymentActorConfig(
+                    name=ADMISSION_ACTOR,
+                    actor_class=ray.remote(AdmissionActor),
+                    actor_options={"num_cpus": 0},
+                    init_kwargs={"config": self.admission_config()},
+                )
+            ]
         return opts
 
 
@@ -211,21 +235,36 @@ def build_app(args: AppArgs) -> Application:
     # staleness bound with room for a late push
     admission = AdmissionConfig(**args.admission_config()) if args.admission is not None else None
     heartbeat = admission.staleness_s / 4 if admission is not None and admission.quiet_when_idle else 0.0
-    replica_args = dict(engine_args=args.engine_config(), torch_threads=args.torch_threads,
-                        stream_interval=args.stream_interval, stats_push_s=push,
-                        engine_core_process=args.engine_core_process, heartbeat_s=heartbeat)
-    router_args = (args.model, args.served_model_name, args.admission is not None, args.block_size,
-                   args.revision, args.template_text(), args.tool_call_parser,
-                   GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
-                   args.token_channel and args.topology == "handle")
+    replica_args = dict(
+        engine_args=args.engine_config(),
+        torch_threads=args.torch_threads,
+        stream_interval=args.stream_interval,
+        stats_push_s=push,
+        engine_core_process=args.engine_core_process,
+        heartbeat_s=heartbeat,
+    )
+    router_args = (
+        args.model,
+        args.served_model_name,
+        args.admission is not None,
+        args.block_size,
+        args.revision,
+        args.template_text(),
+        args.tool_call_parser,
+        GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
+        args.token_channel and args.topology == "handle",
+    )
     if args.topology == "single":
         from conveyor.deployments.server import LLMServer
+
         server = serve.deployment(name="LLMServer", health_check_period_s=5)(LLMServer)
         return server.options(**args.replica_options()).bind(replica_args, *router_args)
     replica = LLMReplica.options(**args.replica_options()).bind(**replica_args)
     env = {**args.serve_env(), **({"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"} if args.handle_transport == "grpc" else {})}
-    router = Router.options(num_replicas=args.router_replicas,
-                            ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": env}})
+    router = Router.options(
+        num_replicas=args.router_replicas,
+        ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": env}},
+    )
     return router.bind(replica, *router_args)
 
 

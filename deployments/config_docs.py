@@ -6,6 +6,7 @@ default (the runtime default; a `default_factory` lambda shows its body), and a 
 pydantic's `Field(description=...)` where given, else the comment on the comment-only line(s) just above the field
 plus the comment at the end of its line(s), read from the source with `ast` and `tokenize`. A field with neither
 gets an empty description: nothing here invents one."""
+
 from __future__ import annotations
 
 import ast
@@ -27,6 +28,7 @@ COMMAND = "python -m conveyor.deployments.config_docs > docs/configuration.md"
 @dataclass(frozen=True)
 class Section:
     """One type's table: `where` says how a user sets its fields (written here, since the types do not say)."""
+
     cls: type
     where: str
 
@@ -99,8 +101,14 @@ def _constraints(info: Any) -> list[str]:
     """pydantic's annotated-types constraints (Field(ge=..., ...)) as short comparisons."""
     out = []
     for m in info.metadata:
-        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >="),
-                         ("max_length", "length <=")):
+        for attr, op in (
+            ("ge", ">="),
+            ("gt", ">"),
+            ("le", "<="),
+            ("lt", "<"),
+            ("min_length", "length >="),
+            ("max_length", "length <="),
+        ):
             if getattr(m, attr, None) is not None:
                 out.append(f"{op} {getattr(m, attr)!r}")
     return out
@@ -137,8 +145,9 @@ def rows(cls: type) -> list[Row]:
                 default = _factory_text(src, stmt, f.default_factory)
             else:
                 default = "required"
-            out.append(Row(f.name, _type_text(src, stmt, f.type), "", default,
-                           _comment(src, stmt) if stmt is not None else ""))
+            out.append(
+                Row(f.name, _type_text(src, stmt, f.type), "", default, _comment(src, stmt) if stmt is not None else "")
+            )
     elif issubclass(cls, BaseModel):
         for name, info in cls.model_fields.items():
             stmt = stmts.get(name)
@@ -149,8 +158,9 @@ def rows(cls: type) -> list[Row]:
             else:
                 default = "required"
             description = info.description or (_comment(src, stmt) if stmt is not None else "")
-            out.append(Row(name, _type_text(src, stmt, info.annotation), ", ".join(_constraints(info)), default,
-                           description))
+            out.append(
+                Row(name, _type_text(src, stmt, info.annotation), ", ".join(_constraints(info)), default, description)
+            )
     else:
         raise TypeError(f"{cls.__qualname__}: neither a dataclass nor a pydantic model")
     return out
@@ -166,8 +176,10 @@ def table(cls: type) -> str:
     lines = ["| Field | Type | Default | Description |", "|---|---|---|---|"]
     for r in rows(cls):
         limits = f" ({_cell(r.constraints)})" if r.constraints else ""
-        lines.append(f"| {_cell(r.name, True)} | {_cell(r.type, True)}{limits} | {_cell(r.default, True)} | "
-                     f"{_cell(r.description)} |")
+        lines.append(
+            f"| {_cell(r.name, True)} | {_cell(r.type, True)}{limits} | {_cell(r.default, True)} | "
+            f"{_cell(r.description)} |"
+        )
     return "\n".join(lines)
 
 
@@ -179,28 +191,49 @@ def sections() -> tuple[Section, ...]:
     from conveyor.deployments.app import AppArgs, KVAutoscaling
     from conveyor.deployments.http_guard import GuardConfig
     from conveyor.engine.config import EngineConfig
+
     return (
-        Section(AppArgs, "The `args:` of an application in a Serve config file (`serve_config.yaml`), or the dict "
-                         "given to `deployments.app.deploy`. An unknown or invalid field fails the deploy with a "
-                         "message naming it. `engine`, `admission`, `request_router` and `kv_autoscaling` take the "
-                         "types below; `autoscaling` is Ray Serve's own `AutoscalingConfig`."),
-        Section(KVAutoscaling, "`args.kv_autoscaling`: replica autoscaling on KV-cache demand (set it or "
-                               "`autoscaling`, not both). `policy` takes the fields of KVScalingConfig below."),
-        Section(EngineConfig, "`args.engine` takes every field except `model`, `revision`, `hf_config` and "
-                              "`model_path` (the first two come from `args.model` and `args.revision`, the last two "
-                              "are filled in by the engine). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. "
-                              "A bad value raises ValueError naming the field."),
-        Section(AdmissionConfig, "`args.admission` (`null` turns admission off). `block_size` follows "
-                                 "`engine.block_size`; `affinity_weight`, `headroom_weight` and `queue_weight` "
-                                 "default to `args.request_router`'s; `max_queue_time_s` is set by "
-                                 "`args.max_queue_time_s`."),
-        Section(RouterConfig, "`args.request_router`: the KV-aware request router (`null`: Ray Serve's default "
-                              "router; required with `topology: single`). `block_size` follows `engine.block_size`."),
-        Section(KVScalingConfig, "`args.kv_autoscaling.policy`; `min_replicas` and `max_replicas` come from "
-                                 "`args.kv_autoscaling`."),
-        Section(GuardConfig, "Built from `args.api_key` (or, where that is unset, the `CONVEYOR_API_KEY` environment "
-                             "variable of the router's process), `args.max_body_bytes` and "
-                             "`args.protect_health_metrics`."),
+        Section(
+            AppArgs,
+            "The `args:` of an application in a Serve config file (`serve_config.yaml`), or the dict "
+            "given to `deployments.app.deploy`. An unknown or invalid field fails the deploy with a "
+            "message naming it. `engine`, `admission`, `request_router` and `kv_autoscaling` take the "
+            "types below; `autoscaling` is Ray Serve's own `AutoscalingConfig`.",
+        ),
+        Section(
+            KVAutoscaling,
+            "`args.kv_autoscaling`: replica autoscaling on KV-cache demand (set it or "
+            "`autoscaling`, not both). `policy` takes the fields of KVScalingConfig below.",
+        ),
+        Section(
+            EngineConfig,
+            "`args.engine` takes every field except `model`, `revision`, `hf_config` and "
+            "`model_path` (the first two come from `args.model` and `args.revision`, the last two "
+            "are filled in by the engine). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. "
+            "A bad value raises ValueError naming the field.",
+        ),
+        Section(
+            AdmissionConfig,
+            "`args.admission` (`null` turns admission off). `block_size` follows "
+            "`engine.block_size`; `affinity_weight`, `headroom_weight` and `queue_weight` "
+            "default to `args.request_router`'s; `max_queue_time_s` is set by "
+            "`args.max_queue_time_s`.",
+        ),
+        Section(
+            RouterConfig,
+            "`args.request_router`: the KV-aware request router (`null`: Ray Serve's default "
+            "router; required with `topology: single`). `block_size` follows `engine.block_size`.",
+        ),
+        Section(
+            KVScalingConfig,
+            "`args.kv_autoscaling.policy`; `min_replicas` and `max_replicas` come from `args.kv_autoscaling`.",
+        ),
+        Section(
+            GuardConfig,
+            "Built from `args.api_key` (or, where that is unset, the `CONVEYOR_API_KEY` environment "
+            "variable of the router's process), `args.max_body_bytes` and "
+            "`args.protect_health_metrics`.",
+        ),
     )
 
 

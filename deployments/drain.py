@@ -4,6 +4,7 @@ an explicit error, and reports back; only then does the launcher shut Serve down
 `serve.shutdown()` kills the HTTP proxy in the same controller tick as the replicas, so it cannot drain;
 `serve.delete(app)` lets in-flight requests finish (up to graceful_shutdown_timeout_s) but drops the app's route
 at once, so a new request gets the proxy's plain-text 404 (measured), not a refusal a client can act on."""
+
 import asyncio
 import logging
 import time
@@ -98,14 +99,23 @@ class Drain:
 
     def refusal(self) -> APIError:
         left = max(1.0, self.deadline - time.monotonic())
-        return APIError(f"the server is shutting down (draining in-flight requests, at most {left:.0f}s more); "
-                        "retry against another server or once it is back", status=503, type="service_unavailable",
-                        code="shutting_down", retry_after_s=left)
+        return APIError(
+            f"the server is shutting down (draining in-flight requests, at most {left:.0f}s more); "
+            "retry against another server or once it is back",
+            status=503,
+            type="service_unavailable",
+            code="shutting_down",
+            retry_after_s=left,
+        )
 
     def timeout_error(self) -> APIError:
         why = "ended early by a second shutdown signal" if self.forced else f"timeout {self.timeout_s:g}s"
-        return APIError(f"the server shut down before this request finished (drain {why})",
-                        status=503, type="service_unavailable", code="drain_timeout")
+        return APIError(
+            f"the server shut down before this request finished (drain {why})",
+            status=503,
+            type="service_unavailable",
+            code="drain_timeout",
+        )
 
     @staticmethod
     async def wait_expired(signal: Any) -> None:
@@ -128,14 +138,20 @@ class Drain:
         if not idle.done():
             idle.cancel()
             self.expired, self.ended_by_timeout = True, self.in_flight()
-            log.warning("drain %s: ending %d requests with an error", "forced" if self.forced else "timeout",
-                        self.ended_by_timeout)
+            log.warning(
+                "drain %s: ending %d requests with an error",
+                "forced" if self.forced else "timeout",
+                self.ended_by_timeout,
+            )
             for gen in list(self.live):
                 gen.cancel()
             try:
                 await asyncio.wait_for(self.idle.wait(), 10.0)
             except asyncio.TimeoutError:
                 pass
-        report = {"in_flight_at_start": self.in_flight_at_start, "ended_by_timeout": self.ended_by_timeout,
-                  "left": self.in_flight()}
+        report = {
+            "in_flight_at_start": self.in_flight_at_start,
+            "ended_by_timeout": self.ended_by_timeout,
+            "left": self.in_flight(),
+        }
         await signal.drained.remote(router_id, report)

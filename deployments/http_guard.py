@@ -1,5 +1,6 @@
 """The HTTP edge: API key, body size, content type, UTF-8 and JSON depth are checked before FastAPI parses
 anything, so a hostile body never reaches pydantic, the tokenizer or the engine."""
+
 import hmac
 import json
 import os
@@ -64,7 +65,7 @@ class HTTPGuard:
         cfg, headers = self.config, {k.lower(): v for k, v in scope.get("headers", [])}
         try:
             path, root = scope.get("path", ""), scope.get("root_path", "")
-            self.authorize(cfg, path[len(root):] if root and path.startswith(root) else path, headers)
+            self.authorize(cfg, path[len(root) :] if root and path.startswith(root) else path, headers)
             if scope.get("method") not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, send)
             body = await self.read_body(cfg, headers, receive)
@@ -81,6 +82,7 @@ class HTTPGuard:
                 return await receive()
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
+
         await self.app(scope, replay, send)
 
     @staticmethod
@@ -90,8 +92,13 @@ class HTTPGuard:
         auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-            raise APIError("invalid or missing API key (send `Authorization: Bearer <key>`)", status=401,
-                           type="authentication_error", param="authorization", code="invalid_api_key")
+            raise APIError(
+                "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                status=401,
+                type="authentication_error",
+                param="authorization",
+                code="invalid_api_key",
+            )
 
     @staticmethod
     async def read_body(cfg: GuardConfig, headers: dict[bytes, bytes], receive: Any) -> bytes | None:
@@ -99,8 +106,9 @@ class HTTPGuard:
         if kind and kind != "application/json" and not kind.endswith("+json"):
             raise APIError(f"Content-Type must be application/json, got {kind!r}", status=415, param="content-type")
         size = headers.get(b"content-length")
-        too_big = APIError(f"request body larger than {cfg.max_body_bytes} bytes", status=413, param="body",
-                           code="body_too_large")
+        too_big = APIError(
+            f"request body larger than {cfg.max_body_bytes} bytes", status=413, param="body", code="body_too_large"
+        )
         if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
             raise too_big
         chunks, total = [], 0

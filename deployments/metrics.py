@@ -6,6 +6,7 @@ with the stats a replica already pushes to the admission actor, so any router's 
 every source: a scrape through the Serve proxy sees the same series whichever router answers, and
 no series is exported twice. Counters fed from the engine's cumulative stats are advanced by deltas
 (reset-aware), and a departed replica's counters stay at their last value, so sums never go back."""
+
 import time
 from typing import Any, Iterable
 
@@ -19,17 +20,24 @@ disable_created_metrics()
 
 PREFIX = "conveyor:"
 LABELS = ("model_name", "replica")
-TTFT_BUCKETS = (.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160)
-ITL_BUCKETS = (.001, .0025, .005, .01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5, 5, 10, 20)
-REQUEST_BUCKETS = (.01, .05, .1, .3, .5, .8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 240, 480, 960)
-OVERHEAD_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 240, 480, 960)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 Dump = list[dict[str, Any]]
 
 
 def dump(registry: CollectorRegistry) -> Dump:
     """A registry's families as plain data (picklable, JSON-able): what a source pushes."""
-    return [{"name": m.name, "type": m.type, "doc": m.documentation,
-             "samples": [[s.name, dict(s.labels), s.value] for s in m.samples]} for m in registry.collect()]
+    return [
+        {
+            "name": m.name,
+            "type": m.type,
+            "doc": m.documentation,
+            "samples": [[s.name, dict(s.labels), s.value] for s in m.samples],
+        }
+        for m in registry.collect()
+    ]
 
 
 def counters_only(d: Dump) -> Dump:
@@ -103,21 +111,28 @@ class ReplicaMetrics:
 
         def hist(name: str, doc: str, buckets: tuple) -> Any:
             return Histogram(p + name, doc, L, buckets=buckets, registry=r).labels(**self.labels)
+
         self.running = Gauge(p + "num_requests_running", "Requests running in the engine", L, registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting (queued or swapped)", L, registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", L, registry=r)
         self.engine_counters = {
             "num_preemptions": Counter(p + "num_preemptions", "Preemptions", L, registry=r),
-            "prefix_cache_queries": Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                            "cache", L, registry=r),
-            "prefix_cache_hits": Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", L,
-                                         registry=r)}
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests the engine started", L,
-                                     registry=r).labels(**self.labels)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", L,
-                                         registry=r).labels(**self.labels)
-        self.success = Counter(p + "request_success", "Finished requests by finish reason",
-                               L + ("finished_reason",), registry=r)
+            "prefix_cache_queries": Counter(
+                p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", L, registry=r
+            ),
+            "prefix_cache_hits": Counter(
+                p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", L, registry=r
+            ),
+        }
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens of requests the engine started", L, registry=r
+        ).labels(**self.labels)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", L, registry=r).labels(
+            **self.labels
+        )
+        self.success = Counter(
+            p + "request_success", "Finished requests by finish reason", L + ("finished_reason",), registry=r
+        )
         self.ttft = hist("time_to_first_token_seconds", "Engine arrival to first token", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Engine arrival to finish", REQUEST_BUCKETS)
@@ -191,18 +206,37 @@ class RouterMetrics:
         self.model_name, self.router = model_name, router
         r = self.registry = CollectorRegistry()
         p = PREFIX
-        self.http = Counter(p + "http_requests", "HTTP responses by endpoint and status",
-                            ["model_name", "router", "endpoint", "status"], registry=r)
-        self.duration = Histogram(p + "http_request_duration_seconds", "Router receipt to the last byte written",
-                                  ["model_name", "router", "endpoint"], buckets=REQUEST_BUCKETS, registry=r)
-        self.overhead = Histogram(p + "serve_overhead_seconds", "Time in the Serve layer: ingress = router receipt "
-                                  "to engine arrival, egress = engine output to the bytes written",
-                                  ["model_name", "replica", "router", "phase"], buckets=OVERHEAD_BUCKETS, registry=r)
+        self.http = Counter(
+            p + "http_requests",
+            "HTTP responses by endpoint and status",
+            ["model_name", "router", "endpoint", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            p + "http_request_duration_seconds",
+            "Router receipt to the last byte written",
+            ["model_name", "router", "endpoint"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            p + "serve_overhead_seconds",
+            "Time in the Serve layer: ingress = router receipt "
+            "to engine arrival, egress = engine output to the bytes written",
+            ["model_name", "replica", "router", "phase"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self.local = CollectorRegistry()
-        self.admission = Counter("conveyor_admission_decisions", "Admission decisions by outcome and reason",
-                                 ["admitted", "reason"], registry=self.local)
-        self.queued = Gauge("conveyor_admission_queued", "Requests waiting for KV room at this router",
-                            registry=self.local)
+        self.admission = Counter(
+            "conveyor_admission_decisions",
+            "Admission decisions by outcome and reason",
+            ["admitted", "reason"],
+            registry=self.local,
+        )
+        self.queued = Gauge(
+            "conveyor_admission_queued", "Requests waiting for KV room at this router", registry=self.local
+        )
         self.sources: dict[str, Dump] = {}
         RouterMetrics.current = self
 
@@ -244,4 +278,5 @@ class ResponseCounter:
             if message["type"] == "http.response.start" and RouterMetrics.current is not None:
                 RouterMetrics.current.response(scope.get("path", ""), message["status"])
             await send(message)
+
         await self.app(scope, receive, counted)

@@ -22,9 +22,15 @@ class ErrorResponse(BaseModel):
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: int | str | None = None,
-                 retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: int | str | None = None,
+        retry_after_s: float = 1.0,
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.type, self.retry_after_s = status, param, type, retry_after_s
         self.code = status if code is None else code
@@ -55,6 +61,7 @@ class ResponseFormat(Strict):
 
 class StructuredOutputs(Strict):
     """vLLM's `structured_outputs` request field."""
+
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
@@ -104,8 +111,9 @@ class SamplingRequest(Strict):
             asked.append(("response_format", {"json_object": True}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise APIError("response_format.json_schema.schema is required for type json_schema",
-                               param="response_format")
+                raise APIError(
+                    "response_format.json_schema.schema is required for type json_schema", param="response_format"
+                )
             asked.append(("response_format", {"json": rf.json_schema.schema_}))
         if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
@@ -130,11 +138,21 @@ class SamplingRequest(Strict):
 
     def sampling(self, max_tokens: int) -> dict[str, Any]:
         sp: dict[str, Any] = dict(
-            n=1, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.token_bias())
+            n=1,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.token_bias(),
+        )
         for k in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, k) is not None:
                 sp[k] = getattr(self, k)
@@ -216,9 +234,14 @@ class ChatMessageIn(Strict):
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -256,8 +279,10 @@ class ChatCompletionRequest(SamplingRequest):
             raise APIError("tool_choice needs tools", param="tool_choice")
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in self.tool_names():
-                raise APIError(f"tool_choice names function {choice.function.name!r}, which is not in tools "
-                               f"{self.tool_names()}", param="tool_choice")
+                raise APIError(
+                    f"tool_choice names function {choice.function.name!r}, which is not in tools {self.tool_names()}",
+                    param="tool_choice",
+                )
             return [t for t in self.tools if t.function.name == choice.function.name]
         return list(self.tools) if choice == "required" else None
 

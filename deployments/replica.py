@@ -31,9 +31,15 @@ class LLMReplica:
     aborts on cancellation; pushes its load to the app's admission actor every `stats_push_s` (0: no
     admission) and at once on big changes; while idle and unchanged, every `heartbeat_s`."""
 
-    async def __init__(self, engine_args: dict[str, Any], torch_threads: int | None = None,
-                       stream_interval: int = 1, stats_push_s: float = 0.0, engine_core_process: bool = True,
-                       heartbeat_s: float = 0.0) -> None:
+    async def __init__(
+        self,
+        engine_args: dict[str, Any],
+        torch_threads: int | None = None,
+        stream_interval: int = 1,
+        stats_push_s: float = 0.0,
+        engine_core_process: bool = True,
+        heartbeat_s: float = 0.0,
+    ) -> None:
         flush_at_warning()
         self.stream_interval = stream_interval
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
@@ -82,10 +88,15 @@ class LLMReplica:
                 await asyncio.sleep(self.stats_push_s)
 
     def info(self) -> dict[str, Any]:
-        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "vocab_size": self.engine.vocab_size, "replica": self.replica_id, "limits": asdict(self.engine.limits),
-                "torch_threads": torch.get_num_threads(),
-                "engine_core_pid": getattr(self.engine.engine.core, "core_pid", None)}
+        return {
+            "model": self.engine.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.vocab_size,
+            "replica": self.replica_id,
+            "limits": asdict(self.engine.limits),
+            "torch_threads": torch.get_num_threads(),
+            "engine_core_pid": getattr(self.engine.engine.core, "core_pid", None),
+        }
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats().to_dict()
@@ -99,21 +110,43 @@ class LLMReplica:
     def check_health(self) -> None:
         self.engine.check_health()
 
-    async def _pump(self, index: int, request_id: str, prompt: list[int], sp: SamplingParams, priority: int,
-                    queue: asyncio.Queue, clock: dict[str, float], interval: int, cache_salt: str | None) -> None:
+    async def _pump(
+        self,
+        index: int,
+        request_id: str,
+        prompt: list[int],
+        sp: SamplingParams,
+        priority: int,
+        queue: asyncio.Queue,
+        clock: dict[str, float],
+        interval: int,
+        cache_salt: str | None,
+    ) -> None:
         text_len, num_ids, finish = 0, 0, None
         try:
-            async for out in self.engine.generate(prompt_token_ids=prompt, sampling_params=sp, request_id=request_id,
-                                                  priority=priority, cache_salt=cache_salt, stream_interval=interval,
-                                                  validated=True):
+            async for out in self.engine.generate(
+                prompt_token_ids=prompt,
+                sampling_params=sp,
+                request_id=request_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                stream_interval=interval,
+                validated=True,
+            ):
                 self.metrics.observe_output(out)
                 clock["arrival"] = min(clock.get("arrival", float("inf")), wall(out.metrics.arrival_time))
                 clock["output"] = wall(out.metrics.last_token_time) if out.metrics.last_token_time else time.time()
                 c = out.outputs[0]
                 finish = (c.finish_reason or "stop") if out.finished else None
-                queue.put_nowait(Delta(index=index, text=c.text[text_len:], token_ids=list(c.token_ids[num_ids:]),
-                                       logprobs=list(c.logprobs[num_ids:]) if c.logprobs is not None else None,
-                                       finish_reason=finish))
+                queue.put_nowait(
+                    Delta(
+                        index=index,
+                        text=c.text[text_len:],
+                        token_ids=list(c.token_ids[num_ids:]),
+                        logprobs=list(c.logprobs[num_ids:]) if c.logprobs is not None else None,
+                        finish_reason=finish,
+                    )
+                )
                 text_len, num_ids = len(c.text), len(c.token_ids)
             if finish is None:
                 queue.put_nowait(Delta(index=index, text="", token_ids=[], logprobs=None, finish_reason="abort"))
@@ -125,14 +158,18 @@ class LLMReplica:
         TTFT, the last its stats and `last`), else one at the end. received_at: the router's time.time() at
         receipt, for the ingress share of serve_overhead."""
         samples = SamplingParams(**{**req.sampling, "n": req.n}).fan_out()
-        jobs = [(p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp)
-                for p, prompt in enumerate(req.prompts) for i, sp in enumerate(samples)]
+        jobs = [
+            (p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp)
+            for p, prompt in enumerate(req.prompts)
+            for i, sp in enumerate(samples)
+        ]
         queue: asyncio.Queue = asyncio.Queue()
         clock: dict[str, float] = {}
         interval = self.stream_interval if req.stream else 1 << 30
-        tasks = [asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock, interval,
-                                                req.cache_salt))
-                 for idx, rid, prompt, sp in jobs]
+        tasks = [
+            asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock, interval, req.cache_salt))
+            for idx, rid, prompt, sp in jobs
+        ]
         live = {idx: rid for idx, rid, _, _ in jobs}
         start, first, pending = time.perf_counter(), True, []
         try:
@@ -147,8 +184,9 @@ class LLMReplica:
                         live.pop(d["index"], None)
                 pending += new
                 if req.stream or not live:
-                    chunk = Chunk(deltas=merge_deltas(pending), emitted_at=clock.get("output", time.time()),
-                                  last=not live)
+                    chunk = Chunk(
+                        deltas=merge_deltas(pending), emitted_at=clock.get("output", time.time()), last=not live
+                    )
                     if first:
                         chunk.update(first_s=time.perf_counter() - start, replica=self.replica_id)
                         if received_at is not None and "arrival" in clock:
@@ -165,16 +203,18 @@ class LLMReplica:
             for rid in live.values():
                 await self.engine.abort(rid)
 
-    async def generate(self, req: GenerateRequest, routing_hint: RoutingHint | None = None,
-                       received_at: float | None = None) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, req: GenerateRequest, routing_hint: RoutingHint | None = None, received_at: float | None = None
+    ) -> AsyncIterator[Chunk]:
         """The chunks over the handle stream. The router has validated `req` (engine.limits, with this
         replica's info())."""
         async with aclosing(self.chunks(req, received_at)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def generate_to(self, req: GenerateRequest, routing_hint: RoutingHint | None = None,
-                          received_at: float | None = None) -> Chunk:
+    async def generate_to(
+        self, req: GenerateRequest, routing_hint: RoutingHint | None = None, received_at: float | None = None
+    ) -> Chunk:
         """One call, no handle stream (`python -m benchmarks.serve_handle`: a Serve stream of two items costs
         0.75-1.26 ms more CPU than a call): a stream's chunks, its first included, go to `req.reply_to` over the
         token channel and the call returns how many were sent; a whole response is the call's result."""
@@ -187,7 +227,11 @@ class LLMReplica:
         return chunk if to is None else Chunk(sent=sent)
 
     def __del__(self) -> None:
-        pusher, actor, engine = getattr(self, "_pusher", None), getattr(self, "_actor", None), getattr(self, "engine", None)
+        pusher, actor, engine = (
+            getattr(self, "_pusher", None),
+            getattr(self, "_actor", None),
+            getattr(self, "engine", None),
+        )
         outbox = getattr(self, "outbox", None)
         self._pusher = self._actor = self.engine = self.outbox = None
         if outbox is not None:

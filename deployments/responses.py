@@ -9,9 +9,27 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from conveyor.deployments.protocol import (
-    APIError, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatMessageOut, ChatStreamChoice,
-    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-    ErrorInfo, ErrorResponse, FunctionCall, TokenLogprob, ToolCall, TopLogprob, UsageInfo,
+    APIError,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Delta,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCall,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    UsageInfo,
 )
 from conveyor.deployments.tool_parsers import HermesToolParser, ParsedCall, ToolStream
 
@@ -60,9 +78,13 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
     for d in deltas:
         m = merged.get(d["index"])
         if m is None:
-            merged[d["index"]] = Delta(index=d["index"], text=d["text"], token_ids=list(d["token_ids"]),
-                                       logprobs=list(d["logprobs"]) if d["logprobs"] is not None else None,
-                                       finish_reason=d["finish_reason"])
+            merged[d["index"]] = Delta(
+                index=d["index"],
+                text=d["text"],
+                token_ids=list(d["token_ids"]),
+                logprobs=list(d["logprobs"]) if d["logprobs"] is not None else None,
+                finish_reason=d["finish_reason"],
+            )
             continue
         m["text"] += d["text"]
         m["token_ids"] += d["token_ids"]
@@ -87,9 +109,17 @@ class ChoiceState:
 class ResponseBuilder:
     """Turns replica deltas into OpenAI completion / chat responses, streamed or whole."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, num_choices: int, prompt_tokens: int,
-                 num_logprobs: int | None, decode: Callable[[int], str],
-                 tool_parser: HermesToolParser | None = None) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        num_choices: int,
+        prompt_tokens: int,
+        num_logprobs: int | None,
+        decode: Callable[[int], str],
+        tool_parser: HermesToolParser | None = None,
+    ) -> None:
         self.chat, self.id, self.model = chat, request_id, model
         self.created = int(time.time())
         self.prompt_tokens, self.num_logprobs, self.decode = prompt_tokens, num_logprobs, decode
@@ -100,8 +130,9 @@ class ResponseBuilder:
 
     def usage(self) -> UsageInfo:
         completion = sum(c.num_tokens for c in self.choices)
-        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion)
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens, completion_tokens=completion, total_tokens=self.prompt_tokens + completion
+        )
 
     def _logprobs(self, c: ChoiceState, d: Delta) -> Any:
         if self.num_logprobs is None or d["logprobs"] is None:
@@ -109,9 +140,12 @@ class ResponseBuilder:
         if self.chat:
             out = ChatLogprobs()
             for tid, lps in zip(d["token_ids"], d["logprobs"]):
-                top = sorted(lps.items(), key=lambda kv: -kv[1])[:self.num_logprobs]
-                out.content.append(TokenLogprob(**self._top(tid, lps[tid]).model_dump(),
-                                                top_logprobs=[self._top(t, lp) for t, lp in top]))
+                top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.num_logprobs]
+                out.content.append(
+                    TokenLogprob(
+                        **self._top(tid, lps[tid]).model_dump(), top_logprobs=[self._top(t, lp) for t, lp in top]
+                    )
+                )
             return out
         out = CompletionLogprobs()
         for tid, lps in zip(d["token_ids"], d["logprobs"]):
@@ -157,14 +191,21 @@ class ResponseBuilder:
 
     def response(self) -> CompletionResponse | ChatCompletionResponse:
         if self.chat:
-            choices = [ChatChoice(index=i, message=m, logprobs=c.logprobs, finish_reason=f)
-                       for i, c in enumerate(self.choices) for m, f in [self._message(c)]]
-            return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                          usage=self.usage())
-        choices = [CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason)
-                   for i, c in enumerate(self.choices)]
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=self.usage())
+            choices = [
+                ChatChoice(index=i, message=m, logprobs=c.logprobs, finish_reason=f)
+                for i, c in enumerate(self.choices)
+                for m, f in [self._message(c)]
+            ]
+            return ChatCompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+            )
+        choices = [
+            CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason)
+            for i, c in enumerate(self.choices)
+        ]
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+        )
 
     def chunks(self, deltas: list[Delta]) -> list[str]:
         out = []
@@ -178,26 +219,39 @@ class ResponseBuilder:
                 if c.tools is not None:
                     text, calls = c.tools.feed(text)
                     text += c.tools.finish() if d["finish_reason"] is not None else ""
-                delta = DeltaMessage(content=text if text or not calls else None,
-                                     role=None if c.started else "assistant",
-                                     tool_calls=[self._call_delta(c, k) for k in calls] or None)
-                choice: Any = ChatStreamChoice(index=d["index"], delta=delta, logprobs=lp,
-                                               finish_reason=self._finish(d["finish_reason"], c.num_calls))
-                out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                                   choices=[choice])))
+                delta = DeltaMessage(
+                    content=text if text or not calls else None,
+                    role=None if c.started else "assistant",
+                    tool_calls=[self._call_delta(c, k) for k in calls] or None,
+                )
+                choice: Any = ChatStreamChoice(
+                    index=d["index"],
+                    delta=delta,
+                    logprobs=lp,
+                    finish_reason=self._finish(d["finish_reason"], c.num_calls),
+                )
+                out.append(
+                    sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+                )
             else:
-                choice = CompletionChoice(index=d["index"], text=d["text"], logprobs=lp,
-                                          finish_reason=d["finish_reason"])
-                out.append(sse(CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                                  choices=[choice])))
+                choice = CompletionChoice(
+                    index=d["index"], text=d["text"], logprobs=lp, finish_reason=d["finish_reason"]
+                )
+                out.append(
+                    sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
+                )
             c.started = True
         return out
 
     @staticmethod
     def _call_delta(c: ChoiceState, k: ParsedCall) -> DeltaToolCall:
         c.num_calls += 1
-        return DeltaToolCall(index=c.num_calls - 1, id=k.id, type="function",
-                             function=DeltaFunctionCall(name=k.name, arguments=k.arguments))
+        return DeltaToolCall(
+            index=c.num_calls - 1,
+            id=k.id,
+            type="function",
+            function=DeltaFunctionCall(name=k.name, arguments=k.arguments),
+        )
 
     def usage_chunk(self) -> str:
         cls = ChatCompletionChunk if self.chat else CompletionResponse

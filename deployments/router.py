@@ -20,7 +20,14 @@ from conveyor.deployments.drain import Drain
 from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
 from conveyor.deployments.metrics import ResponseCounter, RouterMetrics
 from conveyor.deployments.protocol import (
-    APIError, ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest, ModelCard, ModelList, SamplingRequest,
+    APIError,
+    ChatCompletionRequest,
+    Chunk,
+    CompletionRequest,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
 )
 from conveyor.deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
 from conveyor.deployments.serve_logs import flush_at_warning
@@ -59,10 +66,19 @@ class Router:
     """OpenAI-compatible HTTP front: validates and tokenises, asks admission, then streams deltas from the
     LLMReplica that the request router picks with the request's routing hint."""
 
-    async def __init__(self, replica: DeploymentHandle, model: str, served_model_name: str | None = None,
-                       admission: bool = False, block_size: int = 16, revision: str | None = None,
-                       chat_template: str | None = None, tool_call_parser: str = "hermes",
-                       guard: GuardConfig | None = None, token_channel: bool = True) -> None:
+    async def __init__(
+        self,
+        replica: DeploymentHandle,
+        model: str,
+        served_model_name: str | None = None,
+        admission: bool = False,
+        block_size: int = 16,
+        revision: str | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str = "hermes",
+        guard: GuardConfig | None = None,
+        token_channel: bool = True,
+    ) -> None:
         flush_at_warning()
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
         self.replica = replica
@@ -114,8 +130,13 @@ class Router:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
-                           type="not_found_error", code="model_not_found")
+            raise APIError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                param="model",
+                type="not_found_error",
+                code="model_not_found",
+            )
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -129,8 +150,14 @@ class Router:
             prompt = [prompt]
         return [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
 
-    async def prepare(self, req: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
-                      where: str, structured: tuple[str, dict[str, Any]] | None = None) -> GenerateRequest:
+    async def prepare(
+        self,
+        req: SamplingRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        where: str,
+        structured: tuple[str, dict[str, Any]] | None = None,
+    ) -> GenerateRequest:
         info = await self.info()
         limit = info["max_model_len"]
         for ids in prompts:
@@ -138,12 +165,15 @@ class Router:
                 raise APIError(f"{where} must not be empty", param=where)
             need = len(ids) + (max_tokens or 1)
             if len(ids) >= limit or need > limit:
-                raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                               f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion, "
-                               f"max_tokens). Please reduce the length of the {where} or completion.",
-                               param=where if len(ids) >= limit else "max_tokens")
-        sampling = self.generation_defaults.apply(req.sampling(max_tokens or limit - max(len(p) for p in prompts)),
-                                                  set(SAMPLING_KEYS) - req.model_fields_set)
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{need} tokens ({len(ids)} in the {where}, {need - len(ids)} in the completion, "
+                    f"max_tokens). Please reduce the length of the {where} or completion.",
+                    param=where if len(ids) >= limit else "max_tokens",
+                )
+        sampling = self.generation_defaults.apply(
+            req.sampling(max_tokens or limit - max(len(p) for p in prompts)), set(SAMPLING_KEYS) - req.model_fields_set
+        )
         if structured is not None:
             field, fields = structured
             try:
@@ -158,11 +188,19 @@ class Router:
         except (ValueError, TypeError) as e:
             param = param_of(str(e))
             raise APIError(str(e), param=where if param == "prompt" else param) from None
-        return GenerateRequest(request_id=uuid.uuid4().hex, prompts=prompts, n=req.n, sampling=sampling,
-                               priority=req.priority, stream=req.stream, cache_salt=req.cache_salt)
+        return GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompts=prompts,
+            n=req.n,
+            sampling=sampling,
+            priority=req.priority,
+            stream=req.stream,
+            cache_salt=req.cache_salt,
+        )
 
-    async def admit(self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0,
-                    salt: str | None = None) -> RoutingHint:
+    async def admit(
+        self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0, salt: str | None = None
+    ) -> RoutingHint:
         """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
         if self.gate is None:
             return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt)
@@ -171,22 +209,41 @@ class Router:
         d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens)
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
-            return RoutingHint.from_token_ids(prompts[0], self.block_size, d.replicas,
-                                              self.gate.controller.pressures(self.gate.clock()),
-                                              cached_blocks=d.cached_blocks, keys=keys)
+            return RoutingHint.from_token_ids(
+                prompts[0],
+                self.block_size,
+                d.replicas,
+                self.gate.controller.pressures(self.gate.clock()),
+                cached_blocks=d.cached_blocks,
+                keys=keys,
+            )
         if d.reason == "prompt_too_large":
             raise APIError(f"the {where} needs {max(sizes)} KV-cache blocks, more than any replica has", param=where)
         if d.reason in ("no_replicas", "stale"):
-            raise APIError(f"no replica is reporting its load ({d.reason}); retry later", status=503,
-                           type="service_unavailable", code=d.reason, retry_after_s=d.retry_after_s)
+            raise APIError(
+                f"no replica is reporting its load ({d.reason}); retry later",
+                status=503,
+                type="service_unavailable",
+                code=d.reason,
+                retry_after_s=d.retry_after_s,
+            )
         if d.reason == "queue_time":
             limit = self.gate.controller.config.max_queue_time_s
-            raise APIError(f"overloaded: every replica's queue is longer than the {limit:g}s objective (shortest "
-                           f"{d.queue_time_s:.1f}s); retry after {d.retry_after_s:g}s", status=429,
-                           type="rate_limit_error", code=d.reason, retry_after_s=d.retry_after_s)
-        raise APIError(f"overloaded: no replica has KV-cache room for this request ({d.reason}); retry after "
-                       f"{d.retry_after_s:g}s", status=429, type="rate_limit_error", code=d.reason,
-                       retry_after_s=d.retry_after_s)
+            raise APIError(
+                f"overloaded: every replica's queue is longer than the {limit:g}s objective (shortest "
+                f"{d.queue_time_s:.1f}s); retry after {d.retry_after_s:g}s",
+                status=429,
+                type="rate_limit_error",
+                code=d.reason,
+                retry_after_s=d.retry_after_s,
+            )
+        raise APIError(
+            f"overloaded: no replica has KV-cache room for this request ({d.reason}); retry after {d.retry_after_s:g}s",
+            status=429,
+            type="rate_limit_error",
+            code=d.reason,
+            retry_after_s=d.retry_after_s,
+        )
 
     async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
         """The replica's chunks: with the token channel, one handle call whose stream's chunks come over the
@@ -223,8 +280,15 @@ class Router:
         if "metrics" in chunk:
             self.metrics.sources[chunk["replica"]] = chunk["metrics"]
 
-    async def run(self, req: SamplingRequest, gen_req: GenerateRequest, hint: RoutingHint, builder: ResponseBuilder,
-                  start: float, admitted_s: float = 0.0) -> Response:
+    async def run(
+        self,
+        req: SamplingRequest,
+        gen_req: GenerateRequest,
+        hint: RoutingHint,
+        builder: ResponseBuilder,
+        start: float,
+        admitted_s: float = 0.0,
+    ) -> Response:
         stream = self.stream(gen_req, hint, time.time() - (time.perf_counter() - start))
         endpoint = "/v1/chat/completions" if isinstance(req, ChatCompletionRequest) else "/v1/completions"
         try:
@@ -241,10 +305,17 @@ class Router:
             raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
         ttft, replica = time.perf_counter() - start, first.get("replica", "")
         egress = time.time() - first.get("emitted_at", time.time())
-        phases = {"replica": first.get("first_s", 0.0), "router": ttft, "admission": admitted_s,
-                  "ingress": first.get("ingress_s", 0.0), "egress": egress}
-        timing = {"server-timing": ", ".join(f"{name};dur={1000 * s:.3f}" for name, s in phases.items()),
-                  "x-conveyor-replica": replica}
+        phases = {
+            "replica": first.get("first_s", 0.0),
+            "router": ttft,
+            "admission": admitted_s,
+            "ingress": first.get("ingress_s", 0.0),
+            "egress": egress,
+        }
+        timing = {
+            "server-timing": ", ".join(f"{name};dur={1000 * s:.3f}" for name, s in phases.items()),
+            "x-conveyor-replica": replica,
+        }
         if not req.stream:
             builder.add(first["deltas"])
             last = first
@@ -287,17 +358,25 @@ class Router:
             if isinstance(req, ChatCompletionRequest):
                 prompts, structured, parser = self.chat_prompt(req, structured)
                 where = "messages"
-                gen_req = await self.prepare(req, prompts, req.max_completion_tokens or req.max_tokens, where,
-                                             structured)
+                gen_req = await self.prepare(
+                    req, prompts, req.max_completion_tokens or req.max_tokens, where, structured
+                )
                 rid = f"chatcmpl-{gen_req.request_id}"
             else:
                 prompts, where = self.tokenize_prompts(req.prompt), "prompt"
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where, structured)
                 rid = f"cmpl-{gen_req.request_id}"
             hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0, req.cache_salt)
-            builder = ResponseBuilder(isinstance(req, ChatCompletionRequest), rid, self.model_name,
-                                      len(prompts) * req.n, sum(map(len, prompts)), req.num_logprobs(), self.decode,
-                                      parser)
+            builder = ResponseBuilder(
+                isinstance(req, ChatCompletionRequest),
+                rid,
+                self.model_name,
+                len(prompts) * req.n,
+                sum(map(len, prompts)),
+                req.num_logprobs(),
+                self.decode,
+                parser,
+            )
             return await self.run(req, gen_req, hint, builder, start, time.perf_counter() - start)
         except APIError as e:
             return error_response(e)
@@ -306,8 +385,9 @@ class Router:
         finally:
             self.drain.leave()
 
-    def chat_prompt(self, req: ChatCompletionRequest, structured: tuple[str, dict[str, Any]] | None
-                    ) -> tuple[list[list[int]], tuple[str, dict[str, Any]] | None, Any]:
+    def chat_prompt(
+        self, req: ChatCompletionRequest, structured: tuple[str, dict[str, Any]] | None
+    ) -> tuple[list[list[int]], tuple[str, dict[str, Any]] | None, Any]:
         """Prompt ids through the chat template (with tools), the output constraint (a forced tool choice
         constrains to one call), and the tool parser for the output (None without tools)."""
         forced = req.forced_tools()
@@ -318,8 +398,11 @@ class Router:
             raise APIError(str(e), param=str(e).split(":")[0]) from None
         if forced:
             if structured is not None:
-                raise APIError(f"tool_choice {req.tool_choice!r} constrains the output; it cannot be combined with "
-                               f"{structured[0]}", param="tool_choice")
+                raise APIError(
+                    f"tool_choice {req.tool_choice!r} constrains the output; it cannot be combined with "
+                    f"{structured[0]}",
+                    param="tool_choice",
+                )
             structured = ("tool_choice", {"grammar": self.tool_parser.forced_grammar(forced)})
         prompts = [self.tokenizer(text, add_special_tokens=False).input_ids]
         return prompts, structured, self.tool_parser if tools else None

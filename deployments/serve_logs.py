@@ -2,6 +2,7 @@
 puts a MemoryHandler in front of the replica's log file that flushes only when 1000 records have piled up
 or at ERROR: a router's warnings (admission actor unreachable, metrics push failed) then never reached its
 log file in a short run. Warnings flush at once here; access logs stay buffered."""
+
 import logging
 import logging.handlers
 

@@ -1,6 +1,7 @@
 """The single-deployment topology: the OpenAI router and the engine replica in one Serve deployment, so a
 request takes no deployment-handle hop (proxy -> this replica -> engine). The router's code is reused as is,
 talking to an in-process LLMReplica through a handle-shaped adapter."""
+
 import asyncio
 import inspect
 from typing import Any, AsyncIterator

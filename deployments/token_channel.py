@@ -5,6 +5,7 @@ both sides was most of the router's and the replica's CPU with 64 streams on 2 c
 The Serve handle call (one call, no handle stream) still carries the request and returns the number of chunks
 sent or the replica's error, so a replica that dies mid-stream fails the stream; cancelling the call cancels
 the request (client gone, drain)."""
+
 import asyncio
 import logging
 import time

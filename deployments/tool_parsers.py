@@ -1,6 +1,7 @@
 """Tool-call parsers: turn generated text into OpenAI tool calls, whole or as a stream, and say which output
 form a forced tool choice must take. Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) covers
 Qwen2/2.5/3, Hermes and SmolLM-family templates; another format is one more class with the same methods."""
+
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -21,15 +22,23 @@ class HermesToolParser:
 
     def call_schema(self, tools: list[Tool]) -> dict[str, Any]:
         """JSON schema of the body between the tags, for the forced (required / named) case."""
-        bodies = [{"type": "object", "properties": {
-            "name": {"const": t.function.name},
-            "arguments": t.function.parameters or {"type": "object"}},
-            "required": ["name", "arguments"]} for t in tools]
+        bodies = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+            }
+            for t in tools
+        ]
         return bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
 
     def forced_grammar(self, tools: list[Tool]) -> str:
         """EBNF for exactly one call to one of `tools`, in this parser's form."""
         from conveyor.engine.structured_output import tagged_json_grammar
+
         return tagged_json_grammar(self.call_schema(tools), f"{self.begin}\n", f"\n{self.end}")
 
     def _call(self, body: str) -> ParsedCall | None:
@@ -47,7 +56,7 @@ class HermesToolParser:
         calls, content, pos = [], [], 0
         while (start := text.find(self.begin, pos)) != -1:
             stop = text.find(self.end, start)
-            call = self._call(text[start + len(self.begin):stop]) if stop != -1 else None
+            call = self._call(text[start + len(self.begin) : stop]) if stop != -1 else None
             if call is None:
                 break
             content.append(text[pos:start])
@@ -79,7 +88,7 @@ class ToolStream:
                 if stop == -1:
                     break
                 call = p._call(self.buffer[:stop])
-                body, self.buffer, self.inside = self.buffer[:stop], self.buffer[stop + len(p.end):], False
+                body, self.buffer, self.inside = self.buffer[:stop], self.buffer[stop + len(p.end) :], False
                 if call is None:
                     content.append(p.begin + body + p.end)
                 else:
@@ -87,13 +96,19 @@ class ToolStream:
                 continue
             start = self.buffer.find(p.begin)
             if start == -1:
-                keep = next((k for k in range(min(len(p.begin) - 1, len(self.buffer)), 0, -1)
-                             if p.begin.startswith(self.buffer[-k:])), 0)
-                content.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
+                keep = next(
+                    (
+                        k
+                        for k in range(min(len(p.begin) - 1, len(self.buffer)), 0, -1)
+                        if p.begin.startswith(self.buffer[-k:])
+                    ),
+                    0,
+                )
+                content.append(self.buffer[: len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
             content.append(self.buffer[:start])
-            self.buffer, self.inside = self.buffer[start + len(p.begin):], True
+            self.buffer, self.inside = self.buffer[start + len(p.begin) :], True
         self.calls += len(calls)
         return "".join(content), calls
 

@@ -1,12 +1,20 @@
 """Conveyor's engine. Names load lazily so light modules (engine.stats, engine.prefix_hash, ...)
 can be imported by the HTTP edge and the cluster layer without pulling in torch."""
+
 from importlib import import_module
 from typing import Any
 
-_EXPORTS = {"AsyncEngine": "conveyor.engine.async_engine", "EngineConfig": "conveyor.engine.config", "LLM": "conveyor.engine.llm",
-            "LLMEngine": "conveyor.engine.llm_engine", "CompletionOutput": "conveyor.engine.outputs",
-            "RequestMetrics": "conveyor.engine.outputs", "RequestOutput": "conveyor.engine.outputs",
-            "SamplingParams": "conveyor.engine.sampling_params", "EngineStats": "conveyor.engine.stats"}
+_EXPORTS = {
+    "AsyncEngine": "conveyor.engine.async_engine",
+    "EngineConfig": "conveyor.engine.config",
+    "LLM": "conveyor.engine.llm",
+    "LLMEngine": "conveyor.engine.llm_engine",
+    "CompletionOutput": "conveyor.engine.outputs",
+    "RequestMetrics": "conveyor.engine.outputs",
+    "RequestOutput": "conveyor.engine.outputs",
+    "SamplingParams": "conveyor.engine.sampling_params",
+    "EngineStats": "conveyor.engine.stats",
+}
 
 __all__ = sorted(_EXPORTS)
 

@@ -3,6 +3,7 @@ the iterator aborts the request. One thread runs the engine: in-process it steps
 engine_core_process=True it only receives the core process's deltas and detokenises them. Each step's
 outputs reach an event loop in one call; a stream gets its first token at once, then an output whenever
 it has `stream_interval` new tokens, and its finish."""
+
 import asyncio
 import logging
 import queue
@@ -70,9 +71,16 @@ class AsyncEngine:
             raise RuntimeError("engine loop is not running")
         self.engine.check_health()
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                       stream_interval: int = 1, validated: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        stream_interval: int = 1,
+        validated: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
         """validated: the caller (the replica, behind the router) has checked the request already."""
         self.check_health()
         if not validated:
@@ -88,8 +96,15 @@ class AsyncEngine:
                 self._inbox.put(("add", rid, prompt_token_ids, sampling_params, priority, cache_salt, interval))
             else:
                 with self._lock:
-                    self.engine.add_request(rid, prompt_token_ids, sampling_params, priority=priority,
-                                            cache_salt=cache_salt, validated=True, output_interval=interval)
+                    self.engine.add_request(
+                        rid,
+                        prompt_token_ids,
+                        sampling_params,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        validated=True,
+                        output_interval=interval,
+                    )
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -133,8 +148,9 @@ class AsyncEngine:
             if rid not in self._streams:
                 return
             try:
-                self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, validated=True,
-                                        output_interval=interval)
+                self.engine.add_request(
+                    rid, ids, params, priority=priority, cache_salt=salt, validated=True, output_interval=interval
+                )
             except ValueError as e:
                 self._deliver([(rid, e)])
         elif command[0] == "abort":

@@ -1,6 +1,7 @@
 """Paged KV-cache bookkeeping: a block pool with reference counts, an LRU of reusable cached blocks,
 per-request block tables, prefix hashes and CPU swap slots. Holds ids only; the tensors live in the
 model runner."""
+
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -67,8 +68,7 @@ class BlockPool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_swap_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_swap_blocks: int = 0) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -94,8 +94,9 @@ class BlockManager:
         hashes = self.hashes.setdefault(seq.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), seq.num_tokens // bs):
-            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs],
-                                     seq.cache_salt))
+            hashes.append(
+                block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
+            )
         return hashes
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
@@ -112,8 +113,9 @@ class BlockManager:
             blocks.pop()
         return blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[Block] = (),
-                 reserve: int = 0) -> list[int] | None:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, prefix: list[Block] = (), reserve: int = 0
+    ) -> list[int] | None:
         """Grow seq's table to hold its computed tokens (+ prefix) plus num_new_tokens.
         Returns the block ids appended to the table, or None (nothing changed) if they don't fit."""
         table = self.tables.get(seq.request_id, [])
@@ -169,7 +171,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         rid = seq.request_id
         table = self.tables.pop(rid, [])
-        for block in table[seq.num_computed_tokens // self.block_size:self.num_registered.pop(rid, 0)]:
+        for block in table[seq.num_computed_tokens // self.block_size : self.num_registered.pop(rid, 0)]:
             self.pool.unregister(block)  # published for a chunk that never ran: its request was preempted
         self.pool.release(table)
         self.free_swap.extend(self.swapped.pop(rid, []))
@@ -179,7 +181,7 @@ class BlockManager:
         self.hashes.pop(seq.request_id, None)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
-        computed = self.tables.get(seq.request_id, [])[:self.blocks_for(seq.num_computed_tokens)]
+        computed = self.tables.get(seq.request_id, [])[: self.blocks_for(seq.num_computed_tokens)]
         if len(computed) > len(self.free_swap):
             return None
         slots = [self.free_swap.pop() for _ in computed]

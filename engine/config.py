@@ -93,13 +93,23 @@ class EngineConfig:
             _fail("watermark", f"must be in [0, 1), got {self.watermark}")
         if self.core_process_priority not in PRIORITIES:
             _fail("core_process_priority", f"must be one of {PRIORITIES}, got {self.core_process_priority!r}")
-        for name in ("swap_space", "long_prefill_token_threshold", "max_num_partial_prefills",
-                     "max_prefill_tokens_while_decoding", "cold_output_tokens"):
+        for name in (
+            "swap_space",
+            "long_prefill_token_threshold",
+            "max_num_partial_prefills",
+            "max_prefill_tokens_while_decoding",
+            "cold_output_tokens",
+        ):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)!r}")
-        choices = {"scheduling_policy": ("continuous", "static"), "preemption_mode": ("recompute", "swap"),
-                   "attention_backend": ("auto", "torch", "cpu", "triton"), "device": ("auto", "cpu", "cuda"),
-                   "dtype": ("auto", *DTYPES), "cpu_threads_bind": ("off", "auto")}
+        choices = {
+            "scheduling_policy": ("continuous", "static"),
+            "preemption_mode": ("recompute", "swap"),
+            "attention_backend": ("auto", "torch", "cpu", "triton"),
+            "device": ("auto", "cpu", "cuda"),
+            "dtype": ("auto", *DTYPES),
+            "cpu_threads_bind": ("off", "auto"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
@@ -115,6 +125,7 @@ class EngineConfig:
 
     def _cpu_backend(self) -> str:
         from conveyor.kernels import cpu_ops
+
         return "cpu" if self.dtype in ("float32", "bfloat16") and cpu_ops.load() is not None else "torch"
 
     def _load_model_config(self) -> None:
@@ -139,21 +150,32 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = limit if window is None else min(limit, window)
             if self.max_model_len < limit:
-                log.info("max_model_len %d: the model's sliding_window (sliding-window attention is not "
-                         "implemented; within one window attention is exact)", window)
+                log.info(
+                    "max_model_len %d: the model's sliding_window (sliding-window attention is not "
+                    "implemented; within one window attention is exact)",
+                    window,
+                )
         elif self.max_model_len > limit:
             _fail("max_model_len", f"({self.max_model_len}) exceeds the model's max_position_embeddings ({limit})")
         elif window is not None and self.max_model_len > window:
-            _fail("max_model_len", f"({self.max_model_len}) exceeds the model's sliding_window ({window}): "
-                                   f"sliding-window attention is not implemented, so only sequences within one "
-                                   f"window are served exactly; set max_model_len <= {window}")
+            _fail(
+                "max_model_len",
+                f"({self.max_model_len}) exceeds the model's sliding_window ({window}): "
+                f"sliding-window attention is not implemented, so only sequences within one "
+                f"window are served exactly; set max_model_len <= {window}",
+            )
 
     def fit_max_model_len(self, num_blocks: int) -> None:
         """A max_model_len taken from the model shrinks to what the KV cache can hold for one sequence."""
         fits = num_blocks * self.block_size
         if self.max_model_len_from_model and fits < self.max_model_len:
-            log.info("max_model_len %d (the KV cache's %d blocks of %d tokens), below the model's %d",
-                     fits, num_blocks, self.block_size, self.max_model_len)
+            log.info(
+                "max_model_len %d (the KV cache's %d blocks of %d tokens), below the model's %d",
+                fits,
+                num_blocks,
+                self.block_size,
+                self.max_model_len,
+            )
             self.max_model_len = fits
 
     @property

@@ -1,6 +1,7 @@
 """The engine core: scheduler + KV cache + grammars + executor and the busy loop over them (schedule ->
 execute -> update). It reports token ids only; text, stop strings and streams are the front end's
 (llm_engine.py, output_processor.py). Runs in the front end's thread or in its own process (core_process.py)."""
+
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -27,15 +28,17 @@ log = logging.getLogger("conveyor")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int],
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> None:
         self.config = config
         self.executor = make_executor(config)
         if self.executor.num_blocks < 1:
             raise ValueError("EngineConfig.kv_cache_memory leaves no room for a single KV block")
         config.fit_max_model_len(self.executor.num_blocks)
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.executor.num_swap_blocks)
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, config.block_size, config.enable_prefix_caching, self.executor.num_swap_blocks
+        )
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids)
         self.scheduler.runner_batch = getattr(getattr(self.executor, "runner", None), "batch", None)
         self.tokenizer = tokenizer
@@ -54,11 +57,14 @@ class EngineCore:
         here, beside the sampler that applies their masks."""
         if self._structured is None:
             from conveyor.engine.structured_output import StructuredOutputManager
+
             if self.tokenizer is None:
                 from transformers import AutoTokenizer
+
                 self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
-            self._structured = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
-                                                       sorted(self.scheduler.eos_token_ids))
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.config.hf_config.vocab_size, sorted(self.scheduler.eos_token_ids)
+            )
         return self._structured
 
     def add_request(self, req: AddRequest) -> None:
@@ -75,8 +81,9 @@ class EngineCore:
         self.reported[rid] = 0
         self.num_added += 1
 
-    def finish_requests(self, request_ids: list[str], reason: str = "abort",
-                        stop_reasons: list[str | None] | None = None) -> list[CoreOutput]:
+    def finish_requests(
+        self, request_ids: list[str], reason: str = "abort", stop_reasons: list[str | None] | None = None
+    ) -> list[CoreOutput]:
         """Abort, or finish with a stop string the front end found; a static batch may keep the slot."""
         outputs = []
         for rid, stop in zip(request_ids, stop_reasons or [None] * len(request_ids)):
@@ -157,7 +164,7 @@ class EngineCore:
     def _output(self, seq: Sequence, logprobs: dict, now: float | None = None) -> CoreOutput:
         rid = seq.request_id
         start = self.reported.get(rid, 0)
-        new = seq.token_ids[len(seq.prompt_token_ids) + start:]
+        new = seq.token_ids[len(seq.prompt_token_ids) + start :]
         lp = [logprobs.get(rid)] if new and seq.params.logprobs is not None else None
         if seq.status is SequenceStatus.FINISHED:
             self.reported.pop(rid, None)
@@ -169,27 +176,50 @@ class EngineCore:
                 self._structured.release(rid)
         else:
             self.reported[rid] = start + len(new)
-        return CoreOutput(rid, new, lp, seq.finish_reason, seq.stop_reason, seq.first_scheduled_time,
-                          seq.first_token_time, now if seq.first_token_time else None, seq.finish_time,
-                          seq.num_preemptions, seq.num_cached_tokens)
+        return CoreOutput(
+            rid,
+            new,
+            lp,
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.first_scheduled_time,
+            seq.first_token_time,
+            now if seq.first_token_time else None,
+            seq.finish_time,
+            seq.num_preemptions,
+            seq.num_cached_tokens,
+        )
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.block_manager
-        waiting_tokens = (sum(q.num_tokens - q.num_computed_tokens for q in s.waiting)
-                          + sum(q.num_tokens for q, _ in self.compiling.values()))
+        waiting_tokens = sum(q.num_tokens - q.num_computed_tokens for q in s.waiting) + sum(
+            q.num_tokens for q, _ in self.compiling.values()
+        )
         growth = self.growth_blocks()
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting) + len(self.compiling),
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(self.compiling),
             num_waiting_tokens=waiting_tokens,
             kv_blocks_demand=kv.num_blocks - kv.num_free_blocks + kv.blocks_for(waiting_tokens) + growth,
-            num_swapped=len(s.swapped), kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
-            num_preemptions=s.num_preemptions, prefix_cache_queries=kv.queries, prefix_cache_hits=kv.hits,
-            num_finished=self.num_finished, num_aborted=self.num_aborted, num_added=self.num_added,
-            max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
-            busy_time_s=self.busy_time_s, num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_tokens=self.num_decode_tokens, **self.step_trace.counters(),
+            num_swapped=len(s.swapped),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=kv.queries,
+            prefix_cache_hits=kv.hits,
+            num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            num_added=self.num_added,
+            max_num_seqs=self.config.max_num_seqs,
+            block_size=self.config.block_size,
+            busy_time_s=self.busy_time_s,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+            **self.step_trace.counters(),
             tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],
-            num_growth_blocks=growth, likely_output_tokens=self.output_lengths.typical())
+            num_growth_blocks=growth,
+            likely_output_tokens=self.output_lengths.typical(),
+        )
 
     def tokens_left(self, seq: Sequence) -> int:
         """Output tokens the request likely still produces: up to its max_tokens, bounded by how long recent
@@ -210,9 +240,10 @@ class EngineCore:
 
         def final(q: Sequence) -> int:
             return kv.blocks_for(min(limit, q.num_tokens + self.tokens_left(q)))
-        growth = (sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in s.running)
-                  + sum(final(q) - kv.blocks_for(q.num_tokens)
-                        for q in [*s.waiting, *(q for q, _ in self.compiling.values())]))
+
+        growth = sum(max(0, final(q) - len(kv.tables.get(q.request_id, ()))) for q in s.running) + sum(
+            final(q) - kv.blocks_for(q.num_tokens) for q in [*s.waiting, *(q for q, _ in self.compiling.values())]
+        )
         self._growth = (now, key, growth)
         return growth
 

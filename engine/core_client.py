@@ -1,5 +1,6 @@
 """How the front end talks to the engine core: in this process (direct calls), or to the core's own process
 over ZeroMQ (ipc sockets, msgpack-encoded messages from engine/messages.py)."""
+
 import json
 import os
 import shutil
@@ -10,13 +11,21 @@ import threading
 
 import torch
 import zmq
-
 from transformers import PreTrainedTokenizerBase
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.kv_events import KVEventLog, KVEvents
-from conveyor.engine.messages import (AddRequest, Codec, CoreFailed, CoreMessage, CoreOutput, CoreOutputs, CoreReady,
-                             FinishRequests, Shutdown)
+from conveyor.engine.messages import (
+    AddRequest,
+    Codec,
+    CoreFailed,
+    CoreMessage,
+    CoreOutput,
+    CoreOutputs,
+    CoreReady,
+    FinishRequests,
+    Shutdown,
+)
 from conveyor.engine.stats import EngineStats
 
 READY_TIMEOUT_S = 300.0
@@ -58,9 +67,11 @@ class KVMirror:
 class InprocClient:
     """The core runs in the caller's thread: get_outputs() is the core's step."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int],
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> None:
         from conveyor.engine.core import EngineCore
+
         self.core = EngineCore(config, eos_token_ids, tokenizer)
         self.num_blocks = self.core.block_manager.num_blocks
 
@@ -71,8 +82,9 @@ class InprocClient:
     def add_request(self, req: AddRequest) -> None:
         self.core.add_request(req)
 
-    def finish_requests(self, request_ids: list[str], reason: str = "abort",
-                        stop_reasons: list[str | None] | None = None) -> None:
+    def finish_requests(
+        self, request_ids: list[str], reason: str = "abort", stop_reasons: list[str | None] | None = None
+    ) -> None:
         self.core.finish_requests(request_ids, reason, stop_reasons)
 
     def get_outputs(self, timeout_s: float | None = None) -> list[CoreOutput]:
@@ -98,8 +110,9 @@ class MPClient:
     """Starts the core process and exchanges messages with it. Sends may come from any thread (one lock);
     get_outputs belongs to one reader thread. The process's death is seen at once through a pidfd."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int],
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> None:
         self.codec, self.lock = Codec(), threading.Lock()
         self.dir = tempfile.mkdtemp(prefix="conveyor-core-")
         self.ctx = zmq.Context(1)
@@ -111,8 +124,18 @@ class MPClient:
         if config.max_model_len_from_model:
             options["max_model_len"] = None  # the core fits it to its KV cache, as this side does below
         spec = json.dumps({"options": options, "eos_token_ids": sorted(eos_token_ids)})
-        self.proc = subprocess.Popen([sys.executable, "-m", "conveyor.engine.core_process", in_addr, out_addr, spec,
-                                      str(os.getpid()), str(torch.get_num_threads())])
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "conveyor.engine.core_process",
+                in_addr,
+                out_addr,
+                spec,
+                str(os.getpid()),
+                str(torch.get_num_threads()),
+            ]
+        )
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.poller = zmq.Poller()
         self.poller.register(self.outputs, zmq.POLLIN)
@@ -144,8 +167,9 @@ class MPClient:
     def add_request(self, req: AddRequest) -> None:
         self._send(req)
 
-    def finish_requests(self, request_ids: list[str], reason: str = "abort",
-                        stop_reasons: list[str | None] | None = None) -> None:
+    def finish_requests(
+        self, request_ids: list[str], reason: str = "abort", stop_reasons: list[str | None] | None = None
+    ) -> None:
         self._send(FinishRequests(request_ids, reason, stop_reasons or []))
 
     def _recv(self, timeout_s: float | None) -> CoreMessage | None:

@@ -7,6 +7,7 @@ core picks them up. "low": SCHED_IDLE (Linux; else niceness 19): any waking fron
 its thread count) leave at least one CPU to everything else, low where they fill every CPU. Measured, one
 replica on 2 CPUs (README, Serving over HTTP): high serves 20-45% more tokens per second than low; with two
 replicas' cores on 2 CPUs, low cut the KV-aware router's TTFT p50 by 12-31 ms against niceness 19 (Cluster layer)."""
+
 import logging
 import os
 import tempfile

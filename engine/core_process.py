@@ -1,6 +1,7 @@
 """The engine core's own process: `python -m conveyor.engine.core_process IN OUT CONFIG_JSON PARENT_PID THREADS`.
 Busy loop: take every queued input, run one step, send the step's deltas and the stats; block only when idle.
 It dies with its parent (PR_SET_PDEATHSIG, and a parent-pid check while idle)."""
+
 import ctypes
 import json
 import os
@@ -12,8 +13,17 @@ import traceback
 import zmq
 
 from conveyor.engine.core_priority import REFRESH_S, CorePriority
-from conveyor.engine.messages import (AddRequest, Codec, CoreFailed, CoreOutput, CoreOutputs, CoreReady, FinishRequests,
-                             Shutdown, params_from_wire)
+from conveyor.engine.messages import (
+    AddRequest,
+    Codec,
+    CoreFailed,
+    CoreOutput,
+    CoreOutputs,
+    CoreReady,
+    FinishRequests,
+    Shutdown,
+    params_from_wire,
+)
 
 IDLE_POLL_MS = 500
 
@@ -25,8 +35,9 @@ def die_with_parent() -> None:
         pass
 
 
-def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[int], parent_pid: int,
-               threads: int = 1) -> None:
+def serve_core(
+    in_addr: str, out_addr: str, options: dict, eos_token_ids: set[int], parent_pid: int, threads: int = 1
+) -> None:
     ctx = zmq.Context(1)
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(in_addr)
@@ -36,14 +47,18 @@ def serve_core(in_addr: str, out_addr: str, options: dict, eos_token_ids: set[in
         from conveyor.engine.config import EngineConfig
         from conveyor.engine.core import EngineCore
         from conveyor.engine.heap import freeze_startup_heap
+
         config = EngineConfig(**options)
         core = EngineCore(config, eos_token_ids)
         priority = CorePriority(config.core_process_priority, threads)
         priority.refresh()  # after the model: torch's threads exist
         refreshed_at = time.monotonic()
         freeze_startup_heap()
-        outputs.send(codec.encode(CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks,
-                                            os.getpid(), core.stats())))
+        outputs.send(
+            codec.encode(
+                CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks, os.getpid(), core.stats())
+            )
+        )
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         while True:
@@ -92,6 +107,7 @@ def main() -> None:
     die_with_parent()
     in_addr, out_addr, config_json, parent_pid, threads = sys.argv[1:6]
     import torch
+
     torch.set_num_threads(int(threads))
     config = json.loads(config_json)
     serve_core(in_addr, out_addr, config["options"], set(config["eos_token_ids"]), int(parent_pid), int(threads))

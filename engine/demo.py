@@ -1,4 +1,5 @@
 """Deterministic random-weight demo checkpoints in Hugging Face format (`demo:llama-tiny` ...)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_SUFFIXES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -71,8 +76,15 @@ class DemoSpec:
 
 
 def valid_demo_names() -> str:
-    return ("demo:tiny, demo:small, demo:{" + ",".join(ARCHS) + "}-{" + ",".join(SIZES)
-            + "}[-tied][-" + "|-".join(DTYPE_SUFFIXES) + "]")
+    return (
+        "demo:tiny, demo:small, demo:{"
+        + ",".join(ARCHS)
+        + "}-{"
+        + ",".join(SIZES)
+        + "}[-tied][-"
+        + "|-".join(DTYPE_SUFFIXES)
+        + "]"
+    )
 
 
 def parse_demo_name(name: str) -> DemoSpec:
@@ -82,8 +94,14 @@ def parse_demo_name(name: str) -> DemoSpec:
     tied = "tied" in parts
     dtypes = [DTYPE_SUFFIXES[p] for p in parts if p in DTYPE_SUFFIXES]
     rest = [p for p in parts if p != "tied" and p not in DTYPE_SUFFIXES]
-    if (not name.startswith("demo:") or arch not in ARCHS or size not in SIZES or rest
-            or len(dtypes) > 1 or parts.count("tied") > 1):
+    if (
+        not name.startswith("demo:")
+        or arch not in ARCHS
+        or size not in SIZES
+        or rest
+        or len(dtypes) > 1
+        or parts.count("tied") > 1
+    ):
         raise ValueError(f"unknown demo model {name!r}; valid: {valid_demo_names()}")
     return DemoSpec(arch, size, dtypes[0] if dtypes else "float32", tied)
 
@@ -98,14 +116,20 @@ def corpus_files() -> list[Path]:
 
 def train_tokenizer() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator((p.read_text("utf-8", errors="replace") for p in corpus_files()), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
     assert tok.get_vocab_size() == VOCAB_SIZE and [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
     return tok.to_str(pretty=True) + "\n"
 
@@ -136,11 +160,20 @@ def _cached_tokenizer(cache_root: str) -> str:
 
 def tokenizer_files() -> dict[str, str]:
     specials = dict(zip(["unk_token", "bos_token", "eos_token", "pad_token"], SPECIAL_TOKENS))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "add_bos_token": True,
-              "add_eos_token": False, "model_max_length": 2048, "clean_up_tokenization_spaces": False,
-              "chat_template": CHAT_TEMPLATE}
-    return {"tokenizer.json": tokenizer_json(), "tokenizer_config.json": _json(config),
-            "special_tokens_map.json": _json(specials)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    return {
+        "tokenizer.json": tokenizer_json(),
+        "tokenizer_config.json": _json(config),
+        "special_tokens_map.json": _json(specials),
+    }
 
 
 def _json(obj: dict) -> str:
@@ -149,16 +182,31 @@ def _json(obj: dict) -> str:
 
 def model_config(spec: DemoSpec) -> dict:
     from transformers import AutoConfig
+
     s = SIZES[spec.size]
     qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": s.layers}
     extra = {"mistral": {"sliding_window": None}, "qwen2": qwen, "qwen3": qwen}.get(spec.arch, {})
     cfg = AutoConfig.for_model(
-        spec.arch, architectures=[ARCHS[spec.arch]], vocab_size=VOCAB_SIZE, hidden_size=s.hidden,
-        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-        head_dim=s.head_dim, intermediate_size=s.intermediate, hidden_act="silu",
-        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=spec.tied, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        dtype=spec.dtype, **extra)
+        spec.arch,
+        architectures=[ARCHS[spec.arch]],
+        vocab_size=VOCAB_SIZE,
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec.tied,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype=spec.dtype,
+        **extra,
+    )
     d = json.loads(cfg.to_json_string(use_diff=True))
     d.pop("transformers_version", None)
     return {**d, "rope_theta": 10000.0, "torch_dtype": spec.dtype, "tie_word_embeddings": spec.tied}
@@ -170,17 +218,27 @@ def weight_shapes(spec: DemoSpec) -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (VOCAB_SIZE, s.hidden))]
     for i in range(s.layers):
         p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (s.hidden,)), (p + "self_attn.q_proj.weight", (q, s.hidden)),
-                   (p + "self_attn.k_proj.weight", (kv, s.hidden)), (p + "self_attn.v_proj.weight", (kv, s.hidden))]
+        shapes += [
+            (p + "input_layernorm.weight", (s.hidden,)),
+            (p + "self_attn.q_proj.weight", (q, s.hidden)),
+            (p + "self_attn.k_proj.weight", (kv, s.hidden)),
+            (p + "self_attn.v_proj.weight", (kv, s.hidden)),
+        ]
         if spec.arch == "qwen2":
-            shapes += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
-                       (p + "self_attn.v_proj.bias", (kv,))]
+            shapes += [
+                (p + "self_attn.q_proj.bias", (q,)),
+                (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.bias", (kv,)),
+            ]
         if spec.arch == "qwen3":
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
-        shapes += [(p + "self_attn.o_proj.weight", (s.hidden, q)), (p + "post_attention_layernorm.weight", (s.hidden,)),
-                   (p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)),
-                   (p + "mlp.up_proj.weight", (s.intermediate, s.hidden)),
-                   (p + "mlp.down_proj.weight", (s.hidden, s.intermediate))]
+        shapes += [
+            (p + "self_attn.o_proj.weight", (s.hidden, q)),
+            (p + "post_attention_layernorm.weight", (s.hidden,)),
+            (p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)),
+            (p + "mlp.up_proj.weight", (s.intermediate, s.hidden)),
+            (p + "mlp.down_proj.weight", (s.hidden, s.intermediate)),
+        ]
     shapes.append(("model.norm.weight", (s.hidden,)))
     return shapes if spec.tied else shapes + [("lm_head.weight", (VOCAB_SIZE, s.hidden))]
 
@@ -195,8 +253,13 @@ def init_std(name: str, shape: tuple[int, ...]) -> float:
 
 def make_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
     import torch
-    seed = int.from_bytes(hashlib.sha256(
-        f"{spec.seed}/{spec.arch}/{spec.size}/{spec.tied}".encode()).digest()[:8], "little") >> 1
+
+    seed = (
+        int.from_bytes(
+            hashlib.sha256(f"{spec.seed}/{spec.arch}/{spec.size}/{spec.tied}".encode()).digest()[:8], "little"
+        )
+        >> 1
+    )
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in weight_shapes(spec):
@@ -206,19 +269,30 @@ def make_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tiny", dtype: str = "float32",
-               tied: bool = False, seed: int = 0, config: dict | None = None,
-               generation_config: dict | None = None) -> Path:
+def make_model(
+    out_dir: str | os.PathLike,
+    arch: str = "llama",
+    size: str = "tiny",
+    dtype: str = "float32",
+    tied: bool = False,
+    seed: int = 0,
+    config: dict | None = None,
+    generation_config: dict | None = None,
+) -> Path:
     """`config` / `generation_config` entries override the generated ones (rope_scaling, sliding_window, ...)."""
     spec = DemoSpec(arch, size, dtype, tied, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, **(generation_config or {})}
-    files = {**tokenizer_files(), "config.json": _json({**model_config(spec), **(config or {})}),
-             "generation_config.json": _json(gen)}
+    files = {
+        **tokenizer_files(),
+        "config.json": _json({**model_config(spec), **(config or {})}),
+        "generation_config.json": _json(gen),
+    }
     for fname, text in files.items():
         (out / fname).write_text(text, "utf-8")
     from safetensors.torch import save_file
+
     save_file(make_weights(spec), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -226,8 +300,9 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
 def resolve_model(name: str) -> str:
     if not name.startswith("demo:"):
         if not (Path(name) / "config.json").is_file():
-            raise ValueError(f"model {name!r} is neither a demo name ({valid_demo_names()}) "
-                             f"nor a local directory with config.json")
+            raise ValueError(
+                f"model {name!r} is neither a demo name ({valid_demo_names()}) nor a local directory with config.json"
+            )
         return name
     spec = parse_demo_name(name)
     final = cache_dir() / "models" / spec.name

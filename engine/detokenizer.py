@@ -22,8 +22,9 @@ class IncrementalDetokenizer:
         self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if self.backend else None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.params.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add(self, token_id: int, num_output_tokens: int) -> str | None:
         """Append one token; returns the stop string that ended the text, if any."""
@@ -36,12 +37,12 @@ class IncrementalDetokenizer:
                 return None
             self.read_offset = len(self.token_ids)
         else:
-            prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            full = self._decode(self.token_ids[self.prefix_offset:])
+            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.token_ids[self.prefix_offset :])
             if len(full) <= len(prefix) or full.endswith("\ufffd"):
                 return None
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            new = full[len(prefix):]
+            new = full[len(prefix) :]
         old_len = len(self.text)
         self.text += new
         if num_output_tokens < self.params.min_tokens:
@@ -50,11 +51,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         if self.read_offset < len(self.token_ids) and (self.stream is not None or self.deferred):
-            self.text += self._decode(self.token_ids[self.read_offset:])
+            self.text += self._decode(self.token_ids[self.read_offset :])
             self.read_offset = len(self.token_ids)
         elif self.read_offset < len(self.token_ids):
-            prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.token_ids[self.prefix_offset:])[len(prefix):]
+            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.token_ids[self.prefix_offset :])[len(prefix) :]
             self.read_offset = len(self.token_ids)
 
     def _find_stop(self, old_len: int) -> str | None:
@@ -66,11 +67,11 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         idx, stop = best
-        self.text = self.text[:idx + len(stop) if self.params.include_stop_str_in_output else idx]
+        self.text = self.text[: idx + len(stop) if self.params.include_stop_str_in_output else idx]
         return stop
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show now: a tail that may still become a stop string is held back."""
         if finished or not self.holdback:
             return self.text
-        return self.text[:max(0, len(self.text) - self.holdback)]
+        return self.text[: max(0, len(self.text) - self.holdback)]

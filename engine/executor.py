@@ -1,4 +1,5 @@
 """Runs a SchedulerOutput on the model. TP=1 runs in this process; TP>1 drives Ray workers."""
+
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,4 +54,5 @@ def make_executor(config: EngineConfig) -> Executor:
     if config.tensor_parallel_size == 1:
         return LocalExecutor(config)
     from conveyor.engine.tp_executor import TPExecutor
+
     return TPExecutor(config)

@@ -1,4 +1,5 @@
 """A checkpoint's generation_config.json: sampling defaults for requests that leave them unset, and its eos ids."""
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

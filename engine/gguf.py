@@ -1,4 +1,5 @@
 """A GGUF file as a model: checked, then dequantised once by transformers into a safetensors checkpoint."""
+
 import hashlib
 import json
 import logging
@@ -9,10 +10,27 @@ from conveyor.engine.model_cache import build_once, models_dir
 
 log = logging.getLogger("conveyor")
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+GGUF_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 
 def find_gguf(path: str | os.PathLike) -> Path:
@@ -22,14 +40,16 @@ def find_gguf(path: str | os.PathLike) -> Path:
         return p
     found = sorted(p.glob("*.gguf"))
     if len(found) != 1:
-        raise ValueError(f"model: {p} holds {len(found)} .gguf files; name the one to load: "
-                         f"{', '.join(f.name for f in found)}")
+        raise ValueError(
+            f"model: {p} holds {len(found)} .gguf files; name the one to load: {', '.join(f.name for f in found)}"
+        )
     return found[0]
 
 
 def check_gguf(path: Path) -> str:
     """The GGUF architecture, after refusing what the engine cannot run; reads metadata only."""
     from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:
@@ -37,12 +57,16 @@ def check_gguf(path: Path) -> str:
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else "?"
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"model: GGUF architecture {arch!r} of {path.name} is not supported "
-                         f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+        raise ValueError(
+            f"model: GGUF architecture {arch!r} of {path.name} is not supported "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
     bad = sorted({t.tensor_type.name for t in reader.tensors} - set(GGUF_TENSOR_TYPES))
     if bad:
-        raise ValueError(f"model: GGUF quantisation type {', '.join(bad)} in {path.name} is not supported "
-                         f"(supported: {', '.join(GGUF_TENSOR_TYPES)})")
+        raise ValueError(
+            f"model: GGUF quantisation type {', '.join(bad)} in {path.name} is not supported "
+            f"(supported: {', '.join(GGUF_TENSOR_TYPES)})"
+        )
     return arch
 
 
@@ -51,6 +75,7 @@ def convert_gguf(path: Path, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     check_gguf(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -69,8 +94,9 @@ def convert_gguf(path: Path, out: Path) -> Path:
     config_dict["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", "utf-8")
     tokenizer.save_pretrained(out)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out)
     return out
 
 

@@ -3,6 +3,7 @@ by default: a prefill step's [2048, 4096] float32 MLP activation is 32 MiB) is u
 heap's free top is trimmed, so every step faults its activations in again. Measured on demo:small float32, one
 seed-workload run: 180k minor faults (700 MiB zeroed by the kernel); with the thresholds raised, none after
 the first run, at the same peak RSS. vLLM preloads tcmalloc for the same reason."""
+
 import ctypes
 import logging
 import os

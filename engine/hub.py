@@ -1,9 +1,13 @@
 """Hugging Face Hub ids as models: downloaded by huggingface_hub when online, read from its cache offline."""
+
 import re
 
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
-    HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
 )
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -25,8 +29,10 @@ def hub_checkpoint(repo_id: str, revision: str | None = None) -> str:
         raise ValueError(f"model: {repo_id!r} is not a Hugging Face Hub repository (or it is private)") from None
     except LocalEntryNotFoundError:
         mode = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the Hub is unreachable"
-        raise ValueError(f"model: {where} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and "
-                         f"{mode}; download it where the Hub is reachable (`hf download {repo_id}`) or copy "
-                         f"the cache") from None
+        raise ValueError(
+            f"model: {where} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and "
+            f"{mode}; download it where the Hub is reachable (`hf download {repo_id}`) or copy "
+            f"the cache"
+        ) from None
     except HfHubHTTPError as e:
         raise ValueError(f"model: downloading {where} from the Hub failed: {e}") from None

@@ -1,5 +1,6 @@
 """Debug-mode consistency checks of the KV-cache bookkeeping (`EngineConfig(check_invariants=True)`), run
 by the scheduler after every step's update. Each check names the structure and block that broke."""
+
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -49,8 +50,9 @@ def check_pool(kv: "BlockManager") -> None:
 
 def _tables_hold_pool_blocks(kv: "BlockManager") -> bool:
     blocks = kv.pool.blocks
-    return all(len({b.block_id for b in t}) == len(t) and all(blocks[b.block_id] is b for b in t)
-               for t in kv.tables.values())
+    return all(
+        len({b.block_id for b in t}) == len(t) and all(blocks[b.block_id] is b for b in t) for t in kv.tables.values()
+    )
 
 
 def _explain_pool(kv: "BlockManager") -> None:
@@ -82,8 +84,10 @@ def _explain_pool(kv: "BlockManager") -> None:
         _fail(f"free queues != ref-0 blocks: missing {sorted(idle - free)}, extra {sorted(free - idle)}")
     for h, b in pool.cached.items():
         if b.hash != h:
-            _fail(f"prefix map entry {h.hex()[:12]} points at block {b.block_id} whose hash is "
-                  f"{b.hash.hex()[:12] if b.hash else None}")
+            _fail(
+                f"prefix map entry {h.hex()[:12]} points at block {b.block_id} whose hash is "
+                f"{b.hash.hex()[:12] if b.hash else None}"
+            )
     for b in pool.blocks:
         if b.hash is not None and pool.cached.get(b.hash) is not b:
             _fail(f"block {b.block_id} has hash {b.hash.hex()[:12]} but the prefix map does not point at it")
@@ -120,7 +124,7 @@ def check_tables(sched: "Scheduler") -> None:
         hashes = kv.hashes.get(rid, [])
         parent = None
         for i, h in enumerate(hashes):
-            parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
+            parent = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
             if h != parent:
                 _fail(f"request {rid!r}: prefix hash of block {i} does not match its tokens")
         for i, b in enumerate(table):
@@ -141,7 +145,9 @@ def check_swap(sched: "Scheduler") -> None:
     if sorted(held) != list(range(kv.num_swap_blocks)):
         dup = sorted(s for s, n in Counter(held).items() if n > 1)
         lost = sorted(set(range(kv.num_swap_blocks)) - set(held))
-        _fail(f"swap slots: duplicated {dup}, lost {lost}, out of range {sorted(set(held) - set(range(kv.num_swap_blocks)))}")
+        _fail(
+            f"swap slots: duplicated {dup}, lost {lost}, out of range {sorted(set(held) - set(range(kv.num_swap_blocks)))}"
+        )
 
 
 def check_batch(sched: "Scheduler", batch: "PersistentBatch") -> None:
@@ -153,7 +159,7 @@ def check_batch(sched: "Scheduler", batch: "PersistentBatch") -> None:
         row = batch.rows.get(seq.request_id)
         if row is None:
             _fail(f"request {seq.request_id!r} runs but has no persistent batch row")
-        got = batch.block_table[row, :int(batch.num_blocks[row])].tolist()
+        got = batch.block_table[row, : int(batch.num_blocks[row])].tolist()
         want = sched.kv.block_ids(seq)
         if got != want:
             _fail(f"request {seq.request_id!r}: persistent batch row {row} holds blocks {got}, its table {want}")

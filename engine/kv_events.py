@@ -4,8 +4,9 @@ The block pool records each key it publishes (stored) and each cached key it dro
 drains the net change since its last drain. Only a key's latest event is kept, so the log holds at most one
 entry per key and stays bounded by the keys touched between drains (and by `max_entries`, past which it
 restarts as a reset). A reset drain lists every cached key: the reader replaces what it had."""
-from dataclasses import dataclass, field
+
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 

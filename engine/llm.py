@@ -1,4 +1,5 @@
 """Offline batch generation, vLLM-compatible in shape: LLM(model).generate(prompts, params)."""
+
 import itertools
 
 from tqdm import tqdm
@@ -36,10 +37,14 @@ class LLM:
             return None, ids
         raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None,
-                 cache_salt: list[str | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+        cache_salt: list[str | None] | None = None,
+    ) -> list[RequestOutput]:
         """cache_salt (or a prompt dict's "cache_salt" key): prefix-cache hits only among equal salts."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if isinstance(sampling_params, list):
@@ -65,9 +70,14 @@ class LLM:
                 self.engine.add_request(rid, ids, sub, priority=prio, prompt=text, cache_salt=salt, validated=True)
         return self._run(order, len(prompts), use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat template;
         `tools` (OpenAI function specs) go to the template, which must support them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -98,4 +108,3 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-

@@ -1,6 +1,7 @@
 """The synchronous engine: add_request / step / abort_request. The front end (tokenizer, validation,
 detokenisation, stop strings) is here; the core (scheduler, KV cache, grammars, executor) runs in this thread
 or, with engine_core_process=True, in a process of its own (engine/core_process.py)."""
+
 import time
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -66,9 +67,18 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None, validated: bool = False, output_interval: int = 1) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        validated: bool = False,
+        output_interval: int = 1,
+    ) -> None:
         """validated: the caller (LLM.generate, AsyncEngine.generate) has checked the request already.
         output_interval: a streamed request's tokens per output (OutputProcessor.add)."""
         if not validated:
@@ -76,8 +86,9 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.processor.add(request_id, prompt, list(prompt_token_ids), params, arrival_time, output_interval)
         try:
-            self.core.add_request(AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time,
-                                             cache_salt))
+            self.core.add_request(
+                AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time, cache_salt)
+            )
         except BaseException:
             self.processor.requests.pop(request_id, None)
             raise

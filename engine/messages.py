@@ -1,5 +1,6 @@
 """What crosses between the engine front end (tokenizer, detokeniser, stop strings, streams) and the engine
 core (scheduler, KV cache, grammars, executor): typed msgspec structs, encoded as msgpack (no pickle)."""
+
 from dataclasses import fields
 from typing import Any
 
@@ -23,6 +24,7 @@ def params_from_wire(d: dict[str, Any]) -> SamplingParams:
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     """params: a SamplingParams in process; its encoded fields on the wire (params_from_wire)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: Any
@@ -33,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
 
 class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
     """Abort (reason "abort") or stop-string finishes found by the front end (reason "stop")."""
+
     request_ids: list[str]
     reason: str = "abort"
     stop_reasons: list[str | None] = []
@@ -48,6 +51,7 @@ CoreInput = AddRequest | FinishRequests | Shutdown
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's news from one step: only the tokens it has not reported yet. finish_reason "error":
     the core failed the request (stop_reason says why: a refused add, a model step that raised)."""
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float] | None] | None = None
@@ -63,6 +67,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
     """One step: its outputs, the stats after it, and the KV cache's stored/evicted keys since the last one."""
+
     outputs: list[CoreOutput]
     stats: EngineStats
     kv_events: KVEvents | None = None

@@ -1,4 +1,5 @@
 """The local model cache: checkpoints built once (downloaded, converted) and renamed into place."""
+
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ def build_once(final: Path, build: Callable[[Path], object], done: str = "config
     """Run `build` into a private temp dir, then rename it to `final`; a file lock keeps one builder per
     checkpoint across processes, and a finished one (holding `done`) is never rebuilt."""
     from filelock import FileLock
+
     if (final / done).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
 """Owns the model and its paged KV cache on one device; turns a SchedulerOutput into sampled tokens."""
+
 import functools
 import logging
 import os
@@ -102,7 +103,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.gpu_memory_utilization - (total - free) - self._profile_activation_bytes()
         else:
-            budget = cfg.kv_cache_memory or 512 * 2 ** 20
+            budget = cfg.kv_cache_memory or 512 * 2**20
         return max(int(budget // self.block_bytes), 0)
 
     def _profile_activation_bytes(self) -> int:
@@ -128,8 +129,9 @@ class ModelRunner:
         swap_blocks = self.config.swap_space // self.block_bytes if self.config.preemption_mode == "swap" else 0
         if swap_blocks:
             pin = self.device.type == "cuda"
-            self.cpu_cache = torch.zeros((*shape[:2], swap_blocks, *shape[3:]), dtype=self.config.torch_dtype,
-                                         pin_memory=pin)
+            self.cpu_cache = torch.zeros(
+                (*shape[:2], swap_blocks, *shape[3:]), dtype=self.config.torch_dtype, pin_memory=pin
+            )
 
     def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:
@@ -174,8 +176,9 @@ class ModelRunner:
         if self.rank == 0:
             batch = self._sampling_batch(sampled, rows)
             if self.biased or so.grammar is not None:
-                batch = add_constraints(batch, [self.requests[r].params for r in sampled], sampled, so.grammar,
-                                        self.device)
+                batch = add_constraints(
+                    batch, [self.requests[r].params for r in sampled], sampled, so.grammar, self.device
+                )
         tokens, logprobs = self._run(input_ids, positions, meta, sample_idx, batch)
         if self.rank != 0:
             return None
@@ -186,16 +189,23 @@ class ModelRunner:
                     self.requests[rid].output_token_ids.append(tok)
         return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-             sample_idx: torch.Tensor, batch: SamplingBatch | None) -> tuple[torch.Tensor, list | None]:
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_idx: torch.Tensor,
+        batch: SamplingBatch | None,
+    ) -> tuple[torch.Tensor, list | None]:
         if meta.sampled is not None:
             logits = self.model.compute_logits(self.model(input_ids, positions, meta, keep=sample_idx))
         else:
             logits = self.model.compute_logits(self.model(input_ids, positions, meta)[sample_idx])
         return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                              torch.Tensor, np.ndarray, list[str]]:
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, np.ndarray, list[str]]:
         """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled chunks."""
         bs, n = self.block_size, len(chunks)
         req_ids = list(map(_req_id, chunks))
@@ -232,29 +242,46 @@ class ModelRunner:
         pre_cu = cu[nd:] - cu[nd]
         seq_lens32 = seq_lens.astype(np.int32)
         meta = AttentionMetadata(
-            slot_mapping=t(slots), num_decodes=nd,
-            decode_block_tables=t(block_tables[:nd]), decode_seq_lens=t(seq_lens32[:nd]),
+            slot_mapping=t(slots),
+            num_decodes=nd,
+            decode_block_tables=t(block_tables[:nd]),
+            decode_seq_lens=t(seq_lens32[:nd]),
             decode_max_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-            prefill_block_tables=t(block_tables[nd:]), prefill_seq_lens=t(seq_lens32[nd:]),
+            prefill_block_tables=t(block_tables[nd:]),
+            prefill_seq_lens=t(seq_lens32[nd:]),
             prefill_query_start_loc=t(pre_cu.astype(np.int32)),
             prefill_max_query_len=int(q_lens[nd:].max()) if nd < n else 0,
             prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < n else 0,
-            block_tables=t(block_tables), seq_lens=t(seq_lens32), query_start_loc=t(cu.astype(np.int32)))
+            block_tables=t(block_tables),
+            seq_lens=t(seq_lens32),
+            query_start_loc=t(cu.astype(np.int32)),
+        )
         if len(sample_idx) < cu[-1]:
             meta.sampled = self._sampled_meta(meta.slot_mapping, block_tables[sample], seq_lens32[sample])
         return t(input_ids), t(positions), meta, t(sample_idx), rows[sample], sampled
 
-    def _sampled_meta(self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray
-                      ) -> AttentionMetadata:
+    def _sampled_meta(
+        self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray
+    ) -> AttentionMetadata:
         """The last layer's view: this step's slots, one query per sampled sequence at its last position."""
         n, dev = len(seq_lens), self.device
         tables, lens = torch.from_numpy(block_tables).to(dev), torch.from_numpy(seq_lens).to(dev)
         none = torch.zeros(0, dtype=torch.int32, device=dev)
         return AttentionMetadata(
-            slot_mapping=slot_mapping, num_decodes=n, decode_block_tables=tables, decode_seq_lens=lens,
-            decode_max_seq_len=int(seq_lens.max()) if n else 0, prefill_block_tables=tables[:0],
-            prefill_seq_lens=none, prefill_query_start_loc=none, prefill_max_query_len=0, prefill_max_seq_len=0,
-            block_tables=tables, seq_lens=lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev))
+            slot_mapping=slot_mapping,
+            num_decodes=n,
+            decode_block_tables=tables,
+            decode_seq_lens=lens,
+            decode_max_seq_len=int(seq_lens.max()) if n else 0,
+            prefill_block_tables=tables[:0],
+            prefill_seq_lens=none,
+            prefill_query_start_loc=none,
+            prefill_max_query_len=0,
+            prefill_max_seq_len=0,
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        )
 
     def _sampling_batch(self, req_ids: list[str], rows: np.ndarray) -> SamplingBatch:
         dev, n, b = self.device, len(req_ids), self.batch
@@ -266,14 +293,16 @@ class ModelRunner:
         special = [(i, self.requests[r]) for i, r in enumerate(req_ids) if r in self.special] if self.special else []
         penalties = [(i, s) for i, s in special if s.params.has_penalties]
         pen: dict[str, torch.Tensor | None] = dict.fromkeys(
-            ("output_counts", "prompt_mask", "repetition_penalty", "frequency_penalty", "presence_penalty"))
+            ("output_counts", "prompt_mask", "repetition_penalty", "frequency_penalty", "presence_penalty")
+        )
         if penalties:
             pen["output_counts"] = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=dev)
             pen["prompt_mask"] = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
             for i, s in penalties:
                 if s.output_token_ids:
-                    pen["output_counts"][i].index_add_(0, torch.tensor(s.output_token_ids, device=dev),
-                                                       torch.ones(len(s.output_token_ids), device=dev))
+                    pen["output_counts"][i].index_add_(
+                        0, torch.tensor(s.output_token_ids, device=dev), torch.ones(len(s.output_token_ids), device=dev)
+                    )
                 pen["prompt_mask"][i, torch.tensor(s.prompt_token_ids, device=dev)] = True
             for name, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
                 values = torch.full((n,), neutral, dtype=torch.float32, device=dev)
@@ -288,7 +317,14 @@ class ModelRunner:
         for i, s in special:
             num_logprobs[i] = s.params.logprobs
         return SamplingBatch(
-            temperature=torch.from_numpy(temperature).to(dev), all_greedy=bool((temperature < 1e-5).all()),
-            top_k=col(top_k, self.vocab_size), top_p=col(b.top_p[rows], 1.0), min_p=col(b.min_p[rows], 0.0),
+            temperature=torch.from_numpy(temperature).to(dev),
+            all_greedy=bool((temperature < 1e-5).all()),
+            top_k=col(top_k, self.vocab_size),
+            top_p=col(b.top_p[rows], 1.0),
+            min_p=col(b.min_p[rows], 0.0),
             generators={i: s.generator for i, s in special if s.generator is not None},
-            banned_rows=banned_rows, banned_tokens=banned_tokens, num_logprobs=num_logprobs, **pen)
+            banned_rows=banned_rows,
+            banned_tokens=banned_tokens,
+            num_logprobs=num_logprobs,
+            **pen,
+        )

@@ -1,4 +1,5 @@
 """Where a model comes from: a built-in name, a local checkpoint, a GGUF file, or a Hugging Face Hub id."""
+
 from pathlib import Path
 
 from conveyor.engine.demo import resolve_model as resolve_demo
@@ -16,12 +17,17 @@ def resolve_model(name: str, revision: str | None = None) -> str:
     if name.startswith("demo:"):
         return resolve_demo(name)
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf" or (
-            path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))):
+    if (
+        path.is_file()
+        and path.suffix == ".gguf"
+        or (path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf")))
+    ):
         return gguf_checkpoint(path)
     if path.exists():
         return resolve_demo(str(path))
     if is_hub_id(name):
         return hub_checkpoint(name, revision)
-    raise ValueError(f"model {name!r} is not a built-in name (demo:smollm2, {valid_demo_names()}), a local "
-                     f"checkpoint directory, a .gguf file, or a Hugging Face Hub id (owner/name)")
+    raise ValueError(
+        f"model {name!r} is not a built-in name (demo:smollm2, {valid_demo_names()}), a local "
+        f"checkpoint directory, a .gguf file, or a Hugging Face Hub id (owner/name)"
+    )

@@ -7,6 +7,7 @@ ran longer than `done`, at most its `max_tokens`; with none that long it is `max
 in full). Before `min_samples` have finished, a request is expected to run `prior` tokens (at most its
 `max_tokens`; in full once it outlives the prior), so a cold replica does not hold its cache for requests that
 left max_tokens unset; prior 0 charges max_tokens then."""
+
 import bisect
 from collections import deque
 

@@ -1,5 +1,6 @@
 """Front-end half of the engine: turns the core's token deltas into RequestOutputs (incremental text,
 stop strings, logprobs, metrics). A stop string ends the request here; the core is told afterwards."""
+
 import time
 from dataclasses import dataclass, field
 
@@ -38,15 +39,23 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float, output_interval: int = 1) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        output_interval: int = 1,
+    ) -> None:
         """output_interval: while streaming, a request's first token comes out at once, then an output whenever
         it has that many new tokens, and its finish (vLLM's stream_interval)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         detok = IncrementalDetokenizer(self.tokenizer, params, deferred=not self.stream_outputs)
-        self.requests[request_id] = RequestState(prompt, prompt_token_ids, params, detok, arrival_time,
-                                                 max(1, output_interval))
+        self.requests[request_id] = RequestState(
+            prompt, prompt_token_ids, params, detok, arrival_time, max(1, output_interval)
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         st = self.requests.pop(request_id, None)
@@ -54,9 +63,23 @@ class OutputProcessor:
             return None
         st.detok.flush()
         last = st.last or CoreOutput(request_id, [])
-        return self._output(request_id, st, CoreOutput(
-            request_id, [], None, "abort", None, last.first_scheduled_time, last.first_token_time, None,
-            time.monotonic(), last.num_preemptions, last.num_cached_tokens))
+        return self._output(
+            request_id,
+            st,
+            CoreOutput(
+                request_id,
+                [],
+                None,
+                "abort",
+                None,
+                last.first_scheduled_time,
+                last.first_token_time,
+                None,
+                time.monotonic(),
+                last.num_preemptions,
+                last.num_cached_tokens,
+            ),
+        )
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Returns the outputs to hand out and the (request_id, stop string) finishes the core must learn."""
@@ -102,8 +125,16 @@ class OutputProcessor:
     def _output(rid: str, st: RequestState, out: CoreOutput) -> RequestOutput:
         done = out.finish_reason is not None
         logprobs = list(st.logprobs) if st.params.logprobs is not None else None
-        completion = CompletionOutput(0, st.detok.visible_text(done), list(st.detok.token_ids), out.finish_reason,
-                                      out.stop_reason, logprobs)
-        metrics = RequestMetrics(st.arrival_time, out.first_scheduled_time, out.first_token_time, out.last_token_time,
-                                 out.finish_time, out.num_preemptions, out.num_cached_tokens)
+        completion = CompletionOutput(
+            0, st.detok.visible_text(done), list(st.detok.token_ids), out.finish_reason, out.stop_reason, logprobs
+        )
+        metrics = RequestMetrics(
+            st.arrival_time,
+            out.first_scheduled_time,
+            out.first_token_time,
+            out.last_token_time,
+            out.finish_time,
+            out.num_preemptions,
+            out.num_cached_tokens,
+        )
         return RequestOutput(rid, st.prompt, st.prompt_token_ids, [completion], done, metrics)

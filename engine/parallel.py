@@ -1,4 +1,5 @@
 """Tensor-parallel group state. With no process group initialised everything is rank 0 of 1."""
+
 import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
@@ -43,7 +44,8 @@ def check_shardable(hf_config: PretrainedConfig, size: int) -> None:
     if kv >= size:
         divide(kv, size, "num_key_value_heads")
     elif size % kv:
-        raise ValueError(f"tensor_parallel_size ({size}) must be a multiple of num_key_value_heads ({kv}) "
-                         f"when it exceeds it")
+        raise ValueError(
+            f"tensor_parallel_size ({size}) must be a multiple of num_key_value_heads ({kv}) when it exceeds it"
+        )
     divide(hf_config.intermediate_size, size, "intermediate_size")
     divide(hf_config.vocab_size, size, "vocab_size")

@@ -1,6 +1,7 @@
 """The model runner's persistent batch: one numpy row per request it knows, holding its block table
 (written when the request (re)starts, appended in place as it grows) and its sampling columns, so a
 step gathers rows with numpy instead of rebuilding per-sequence Python lists."""
+
 import numpy as np
 
 from conveyor.engine.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ class PersistentBatch:
     def set_blocks(self, req_id: str, block_ids: list[int], append: bool) -> None:
         row = self.rows[req_id]
         start = int(self.num_blocks[row]) if append else 0
-        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
     def index(self, req_ids: list[str]) -> np.ndarray:
@@ -49,4 +50,4 @@ class PersistentBatch:
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), width of the longest] block ids; entries past a row's end are stale but valid ids."""
-        return self.block_table[rows, :int(self.num_blocks[rows].max())]
+        return self.block_table[rows, : int(self.num_blocks[rows].max())]

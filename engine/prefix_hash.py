@@ -1,5 +1,6 @@
 """The prefix-cache key of a full KV block: the engine caches blocks by it, the cluster layer routes by it.
 Imports only the standard library, so the HTTP edge and the Serve controller can use it without torch."""
+
 import hashlib
 import struct
 from typing import Sequence
@@ -17,8 +18,9 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int], salt: str | None 
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
-                 max_blocks: int | None = None) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: str | None = None, max_blocks: int | None = None
+) -> list[bytes]:
     """Chain keys of the leading FULL blocks of a prompt (at most `max_blocks`), as the engine computes them."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
@@ -26,6 +28,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = N
     keys: list[bytes] = []
     parent = None
     for i in range(n):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
         keys.append(parent)
     return keys

@@ -1,5 +1,6 @@
 """Batched sampling: penalties, logit bias, structured-output token masks, temperature, top-k/top-p/min-p,
 per-request seeds, logprobs."""
+
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,7 @@ class GrammarBitmask:
         where = {r: i for i, r in enumerate(sampled)}
         keep = [(where[r], j) for j, r in enumerate(self.req_ids) if r in where]
         rows, src = zip(*keep) if keep else ((), ())
-        return (torch.tensor(rows, dtype=torch.long, device=device),
-                self.bits[list(src)].to(device, non_blocking=True))
+        return (torch.tensor(rows, dtype=torch.long, device=device), self.bits[list(src)].to(device, non_blocking=True))
 
 
 _BIT = torch.arange(32, dtype=torch.int32)
@@ -55,8 +55,13 @@ class SamplingBatch:
         return max(wanted) if wanted else None
 
 
-def add_constraints(b: SamplingBatch, params: list[SamplingParams], sampled: list[str],
-                    grammar: GrammarBitmask | None, device: torch.device) -> SamplingBatch:
+def add_constraints(
+    b: SamplingBatch,
+    params: list[SamplingParams],
+    sampled: list[str],
+    grammar: GrammarBitmask | None,
+    device: torch.device,
+) -> SamplingBatch:
     """Adds the per-request logit bias and this step's grammar bitmask to a batch."""
     bias = [(i, t, v) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
     if bias:

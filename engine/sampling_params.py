@@ -32,7 +32,11 @@ class StructuredParams:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object is True else []
         _check(self.json_object in (True, False), "structured.json_object", f"must be a bool, got {self.json_object!r}")
-        _check(len(given) == 1, "structured", f"needs exactly one of json, json_object, regex, choice, grammar; got {given}")
+        _check(
+            len(given) == 1,
+            "structured",
+            f"needs exactly one of json, json_object, regex, choice, grammar; got {given}",
+        )
         self.kind = given[0]
         if self.kind == "json":
             schema = self.json
@@ -44,16 +48,24 @@ class StructuredParams:
             _check(isinstance(schema, (dict, bool)), "structured.json", f"must be a JSON schema object, got {schema!r}")
             self.text = json.dumps(schema)
         elif self.kind == "choice":
-            _check(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c for c in self.choice),
-                   "structured.choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
+            _check(
+                isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c for c in self.choice),
+                "structured.choice",
+                f"must be a non-empty list of non-empty strings, got {self.choice!r}",
+            )
             self.text = json.dumps(self.choice)
         elif self.kind == "json_object":
             self.text = ""
         else:
             value = getattr(self, self.kind)
-            _check(isinstance(value, str) and value, f"structured.{self.kind}", f"must be a non-empty string, got {value!r}")
+            _check(
+                isinstance(value, str) and value,
+                f"structured.{self.kind}",
+                f"must be a non-empty string, got {value!r}",
+            )
             self.text = value
         from conveyor.engine.structured_output import check_constraint
+
         error = check_constraint(self.kind, self.text)
         _check(error is None, f"structured.{self.kind}", f"is not a valid constraint: {error}")
 
@@ -86,8 +98,7 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             _check(_is_num(getattr(self, name)), name, f"must be a number, got {getattr(self, name)!r}")
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             _check(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
@@ -97,34 +108,55 @@ class SamplingParams:
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(
+            -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
+        )
         _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
         _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
-               f"must be None or an integer in [0, 20], got {self.logprobs!r}")
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be None or an integer in [0, 20], got {self.logprobs!r}",
+        )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stop), "stop", f"must be non-empty strings, got {self.stop!r}")
         self.stop_strings = stop
         ids = self.stop_token_ids or []
-        _check(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids",
-               f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        _check(
+            isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),
+            "stop_token_ids",
+            f"must be a list of non-negative integers, got {self.stop_token_ids!r}",
+        )
         self.stop_token_ids = list(ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.structured, dict):
             self.structured = StructuredParams(**self.structured)
-        _check(self.structured is None or isinstance(self.structured, StructuredParams), "structured",
-               f"must be a StructuredParams, a dict of its fields, or None, got {type(self.structured).__name__}")
+        _check(
+            self.structured is None or isinstance(self.structured, StructuredParams),
+            "structured",
+            f"must be a StructuredParams, a dict of its fields, or None, got {type(self.structured).__name__}",
+        )
         if self.structured is not None:
-            _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured: the constraint ends the output")
-            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured: the constraint ends the output")
+            _check(
+                not self.ignore_eos, "ignore_eos", "cannot be combined with structured: the constraint ends the output"
+            )
+            _check(
+                self.min_tokens == 0, "min_tokens", "cannot be combined with structured: the constraint ends the output"
+            )
         bias = self.logit_bias or {}
-        _check(isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100
-                                              for t, b in bias.items()), "logit_bias",
-               f"must map non-negative token ids to numbers in [-100, 100], got {self.logit_bias!r}")
+        _check(
+            isinstance(bias, dict)
+            and all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in bias.items()),
+            "logit_bias",
+            f"must map non-negative token ids to numbers in [-100, 100], got {self.logit_bias!r}",
+        )
         self.logit_bias = {t: float(b) for t, b in bias.items()} or None
 
     @property
@@ -140,5 +172,7 @@ class SamplingParams:
         if self.n == 1:
             return [self]
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        return [SamplingParams(**{**kwargs, "n": 1, "seed": None if self.seed is None else self.seed + j})
-                for j in range(self.n)]
+        return [
+            SamplingParams(**{**kwargs, "n": 1, "seed": None if self.seed is None else self.seed + j})
+            for j in range(self.n)
+        ]

@@ -1,6 +1,7 @@
 """Iteration-level scheduling. Each step every scheduled request gets
 min(num_tokens - num_computed_tokens, budget left, chunk cap) tokens: prefill, chunked prefill,
 decode and recompute after preemption are the same rule."""
+
 import time
 from operator import attrgetter
 
@@ -11,7 +12,6 @@ from conveyor.engine.persistent_batch import PersistentBatch
 from conveyor.engine.sequence import Sequence, SequenceStatus
 from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from conveyor.engine.watermark import Watermark
-
 
 _run_order = attrgetter("priority", "arrival_time")
 
@@ -89,8 +89,15 @@ class Scheduler:
             return cap
         return budget
 
-    def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk],
-                          budget: int, partials: int, may_preempt: bool = True) -> tuple[int, int, bool]:
+    def _schedule_running(
+        self,
+        seqs: list[Sequence],
+        out: SchedulerOutput,
+        chunks: dict[str, ScheduledChunk],
+        budget: int,
+        partials: int,
+        may_preempt: bool = True,
+    ) -> tuple[int, int, bool]:
         preempted, kv, running = False, self.kv, SequenceStatus.RUNNING
         for seq in seqs:
             if seq.status is not running:
@@ -125,20 +132,29 @@ class Scheduler:
                 self.prefill_left -= n
         return budget, partials, preempted
 
-    def _admit(self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int,
-               partials: int) -> tuple[int, int]:
+    def _admit(
+        self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int, partials: int
+    ) -> tuple[int, int]:
         """Swapped and waiting requests in one priority order, stopping at the first that does not fit:
         admitting past it would let a stream of later arrivals starve it. Only the partial-prefill cap
         lets a prompt that completes in one chunk pass one that would be split."""
         cfg = self.config
         static = cfg.scheduling_policy == "static"
-        if static and not self.running and not self.swapped and not self.static_batch.intersection(s.request_id for s in self.waiting):
-            batch = sorted(self.waiting, key=self._wait_key)[:cfg.max_num_seqs]
+        if (
+            static
+            and not self.running
+            and not self.swapped
+            and not self.static_batch.intersection(s.request_id for s in self.waiting)
+        ):
+            batch = sorted(self.waiting, key=self._wait_key)[: cfg.max_num_seqs]
             self.static_batch = {s.request_id for s in batch}
         capped: set[Sequence] = set()
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            candidates = [s for s in self.swapped + self.waiting
-                          if s not in capped and (not static or s.request_id in self.static_batch)]
+            candidates = [
+                s
+                for s in self.swapped + self.waiting
+                if s not in capped and (not static or s.request_id in self.static_batch)
+            ]
             if not candidates:
                 break
             seq = min(candidates, key=self._wait_key)
@@ -194,8 +210,14 @@ class Scheduler:
         seq.num_computed_tokens = start + n
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.now
-        return ScheduledChunk(seq.request_id, seq.token_ids[start:start + n], start, block_ids, reset,
-                              sample=start + n == seq.num_tokens)
+        return ScheduledChunk(
+            seq.request_id,
+            seq.token_ids[start : start + n],
+            start,
+            block_ids,
+            reset,
+            sample=start + n == seq.num_tokens,
+        )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         if seq.held_finish is not None:

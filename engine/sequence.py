@@ -1,6 +1,6 @@
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-import time
 
 from conveyor.engine.sampling_params import SamplingParams
 
@@ -49,7 +49,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

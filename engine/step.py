@@ -1,4 +1,5 @@
 """The small data objects that cross between scheduler, executor and model runner each step."""
+
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING

@@ -1,6 +1,7 @@
 """What the engine loop did, step by step. Always: the cumulative tokens-per-step histogram behind
 `iteration_tokens_total`. After `enable()`: one StepRecord per step (which requests ran, prefill /
 decode / padding tokens, KV use, preemptions, step time), exportable as Chrome trace JSON (Perfetto)."""
+
 import bisect
 import time
 from dataclasses import dataclass, field
@@ -83,12 +84,25 @@ class StepTrace:
                 kind = "decode"
             work.append(SlotWork(c.req_id, len(c.token_ids), kind))
         end = time.perf_counter()
-        self.records.append(StepRecord(scheduler.num_steps, start - self._origin, end - start, work, kv.num_blocks - kv.num_free_blocks,
-                                       kv.num_blocks, preempted, len(scheduler.waiting)))
+        self.records.append(
+            StepRecord(
+                scheduler.num_steps,
+                start - self._origin,
+                end - start,
+                work,
+                kv.num_blocks - kv.num_free_blocks,
+                kv.num_blocks,
+                preempted,
+                len(scheduler.waiting),
+            )
+        )
 
     def counters(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "iteration_tokens_sum": self.tokens_sum,
-                "iteration_tokens_counts": list(self.counts)}
+        return {
+            "num_steps": self.num_steps,
+            "iteration_tokens_sum": self.tokens_sum,
+            "iteration_tokens_counts": list(self.counts),
+        }
 
 
 def assign_slots(records: list[StepRecord]) -> dict[tuple[int, str], int]:
@@ -114,18 +128,39 @@ def chrome_trace(records: list[StepRecord], name: str = "conveyor engine", pid: 
     """Trace events (Chrome trace format, opens in Perfetto): the engine's steps on thread 0, each batch
     slot's request on its own thread, KV blocks in use as a counter."""
     slots = assign_slots(records)
-    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}},
-                          {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "steps"}}]
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}},
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "steps"}},
+    ]
     for s in sorted(set(slots.values())):
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": s + 1, "args": {"name": f"slot {s}"}})
     for i, r in enumerate(records):
         ts, dur = r.start_s * 1e6, r.duration_s * 1e6
-        events.append({"name": f"step {r.step}", "cat": "step", "ph": "X", "pid": pid, "tid": 0, "ts": ts,
-                       "dur": dur, "args": {kind: r.tokens(kind) for kind in KINDS} | {
-                           "preemptions": r.num_preemptions, "waiting": r.num_waiting}})
+        events.append(
+            {
+                "name": f"step {r.step}",
+                "cat": "step",
+                "ph": "X",
+                "pid": pid,
+                "tid": 0,
+                "ts": ts,
+                "dur": dur,
+                "args": {kind: r.tokens(kind) for kind in KINDS}
+                | {"preemptions": r.num_preemptions, "waiting": r.num_waiting},
+            }
+        )
         for w in r.work:
-            events.append({"name": w.req_id, "cat": w.kind, "ph": "X", "pid": pid, "tid": slots[(i, w.req_id)] + 1,
-                           "ts": ts, "dur": dur, "args": {"tokens": w.num_tokens, "kind": w.kind}})
-        events.append({"name": "kv_blocks_used", "ph": "C", "pid": pid, "ts": ts,
-                       "args": {"used": r.kv_blocks_used}})
+            events.append(
+                {
+                    "name": w.req_id,
+                    "cat": w.kind,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": slots[(i, w.req_id)] + 1,
+                    "ts": ts,
+                    "dur": dur,
+                    "args": {"tokens": w.num_tokens, "kind": w.kind},
+                }
+            )
+        events.append({"name": "kv_blocks_used", "ph": "C", "pid": pid, "ts": ts, "args": {"used": r.kv_blocks_used}})
     return events

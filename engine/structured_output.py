@@ -1,5 +1,6 @@
 """Structured outputs over xgrammar: validation, a bounded cache of compiled grammars (compiled on a worker
 thread, off the engine loop), and one matcher per request that yields the step's token bitmask."""
+
 import json
 import logging
 import re
@@ -54,8 +55,14 @@ class StructuredOutputManager:
     request id. Matchers live beside the scheduler's sequences, so preemption (the sequence keeps its output
     tokens) and chunked prefill (only sampled positions produce tokens) need nothing special."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = 128, compile_threads: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_size: int = 128,
+        compile_threads: int = 2,
+    ) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self.cache_size, self.compile_threads = cache_size, compile_threads
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -66,8 +73,9 @@ class StructuredOutputManager:
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads, cache_enabled=False)
         return self._compiler.compile_grammar(grammar_of(kind, text))
 
@@ -98,8 +106,11 @@ class StructuredOutputManager:
 
     def accept(self, req_ids: list[str], tokens: list[int]) -> list[str]:
         """Advance each request's matcher by its sampled token; returns the requests whose grammar ended."""
-        pairs = [(r, m, t) for r, t in zip(req_ids, tokens)
-                 if (m := self.matchers.get(r)) is not None and not m.is_terminated()]
+        pairs = [
+            (r, m, t)
+            for r, t in zip(req_ids, tokens)
+            if (m := self.matchers.get(r)) is not None and not m.is_terminated()
+        ]
         if not pairs:
             return []
         ok = self._batch.batch_accept_token([m for _, m, _ in pairs], [t for _, _, t in pairs])
@@ -110,4 +121,3 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-

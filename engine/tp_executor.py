@@ -4,6 +4,7 @@ Ray starts, places, pings and stops the workers; steps bypass Ray: the driver wr
 SchedulerOutput, pickled once, to a TCP connection per rank and reads rank 0's sampled tokens back
 (dispatch="socket"). "remote" (one .remote() per rank per step) and "dag" (Ray Compiled Graph) are kept
 for benchmarks/tp.py, which measures all three."""
+
 import contextlib
 import hmac
 import logging
@@ -64,51 +65,71 @@ class TPExecutor:
             res = {"CPU": self.worker_num_cpus, **({"GPU": 1.0} if self.cuda else {})}
             total = ray.cluster_resources()
             if any(total.get(k, 0) < v * n for k, v in res.items()):
-                raise ValueError(f"tensor_parallel_size={n} needs {n} x {res}, the Ray cluster has "
-                                 f"{ {k: total.get(k, 0) for k in res} }")
+                raise ValueError(
+                    f"tensor_parallel_size={n} needs {n} x {res}, the Ray cluster has "
+                    f"{ {k: total.get(k, 0) for k in res} }"
+                )
             self.pg, self.own_pg = placement_group([res] * n, strategy="STRICT_PACK"), True
             try:
                 ray.get(self.pg.ready(), timeout=self.init_timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"tensor_parallel_size={n}: could not reserve {n} x {res} on one node within "
-                                   f"{self.init_timeout_s:.0f}s (available: {ray.available_resources()})") from None
+                raise RuntimeError(
+                    f"tensor_parallel_size={n}: could not reserve {n} x {res} on one node within "
+                    f"{self.init_timeout_s:.0f}s (available: {ray.available_resources()})"
+                ) from None
             return [(r, res) for r in range(n)]
         self.pg, specs = pg, pg.bundle_specs
         offset = len(specs) - n
         if offset < 0:
-            raise ValueError(f"tensor_parallel_size={n} needs {n} placement-group bundles, the replica's group "
-                             f"has {len(specs)}")
+            raise ValueError(
+                f"tensor_parallel_size={n} needs {n} placement-group bundles, the replica's group has {len(specs)}"
+            )
         placed = [(r + offset, dict(specs[r + offset]) if r + offset else {}) for r in range(n)]
         if self.cuda and any(res.get("GPU", 0) < 1 for _, res in placed):
-            raise ValueError(f"tensor_parallel_size={n} on CUDA needs a GPU bundle per rank besides the replica's "
-                             f"own bundle 0; the replica's group has {specs} (give it {n + 1} bundles)")
+            raise ValueError(
+                f"tensor_parallel_size={n} on CUDA needs a GPU bundle per rank besides the replica's "
+                f"own bundle 0; the replica's group has {specs} (give it {n + 1} bundles)"
+            )
         return placed
 
     def _start(self, config: EngineConfig) -> None:
         remote = ray.remote(Worker)
         for rank, (bundle, res) in enumerate(self._placement()):
             cpus = res.get("CPU", 0.0)
-            self.workers.append(remote.options(
-                num_cpus=cpus, num_gpus=res.get("GPU", 0.0), max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(rank, self.size, max(1, int(cpus))))
+            self.workers.append(
+                remote.options(
+                    num_cpus=cpus,
+                    num_gpus=res.get("GPU", 0.0),
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+                ).remote(rank, self.size, max(1, int(cpus)))
+            )
         infos: list[RankInfo] = self._get([w.info.remote() for w in self.workers], "start")
         host = infos[0].node_ip
         port = self._get([self.workers[0].open_store.remote(host, self.collective_timeout_s)], "open a store")[0]
-        infos = self._get([w.init_model.remote(config, host, port, self.collective_timeout_s)
-                           for w in self.workers], "load the model")
+        infos = self._get(
+            [w.init_model.remote(config, host, port, self.collective_timeout_s) for w in self.workers], "load the model"
+        )
         self.num_blocks = min(i.num_blocks for i in infos)
-        self.num_swap_blocks = min(self._get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers],
-                                             "allocate the KV cache"))
+        self.num_swap_blocks = min(
+            self._get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers], "allocate the KV cache")
+        )
         if self.dispatch == "socket":
             self._connect()
         elif self.dispatch == "dag":
             from ray.dag import InputNode, MultiOutputNode
+
             with InputNode() as so:
                 dag = MultiOutputNode([w.execute_model.bind(so) for w in self.workers])
             self.dag = dag.experimental_compile(_submit_timeout=self.step_timeout_s)
-        log.info("tensor parallel: %d ranks (pids %s) on %s, %d KV blocks, dispatch=%s", self.size,
-                 [i.pid for i in infos], host, self.num_blocks, self.dispatch)
+        log.info(
+            "tensor parallel: %d ranks (pids %s) on %s, %d KV blocks, dispatch=%s",
+            self.size,
+            [i.pid for i in infos],
+            host,
+            self.num_blocks,
+            self.dispatch,
+        )
 
     def _connect(self) -> None:
         host, token = ray.util.get_node_ip_address(), secrets.token_bytes(16)
@@ -121,12 +142,12 @@ class TPExecutor:
                 conn, _ = server.accept()
                 conn.settimeout(self.init_timeout_s)
                 hello = recv_exact(conn, len(token) + 4)
-                if hello is None or not hmac.compare_digest(bytes(hello[:len(token)]), token):
+                if hello is None or not hmac.compare_digest(bytes(hello[: len(token)]), token):
                     conn.close()
                     continue
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(self.step_timeout_s)
-                conns[struct.unpack("<I", hello[len(token):])[0]] = conn
+                conns[struct.unpack("<I", hello[len(token) :])[0]] = conn
         self.conns = [conns[r] for r in range(self.size)]
         for rank, conn in enumerate(self.conns):
             self.selector.register(conn, selectors.EVENT_READ, rank)
@@ -136,8 +157,11 @@ class TPExecutor:
             return ray.get(refs, timeout=self.init_timeout_s)
         except Exception as e:
             dead = self._dead_ranks()
-            self.error = RuntimeError(f"tensor-parallel worker rank {_names(dead)} died or is unresponsive ({what})"
-                                      if dead else f"tensor-parallel workers failed to {what}: {e}")
+            self.error = RuntimeError(
+                f"tensor-parallel worker rank {_names(dead)} died or is unresponsive ({what})"
+                if dead
+                else f"tensor-parallel workers failed to {what}: {e}"
+            )
             raise self.error from e
 
     def _dead_ranks(self) -> list[int]:
@@ -161,8 +185,11 @@ class TPExecutor:
             return ray.get(refs, timeout=self.step_timeout_s)[0]
         except Exception as e:
             dead = self._dead_ranks()
-            self.error = RuntimeError(f"tensor-parallel worker rank {_names(dead)} died or is unresponsive"
-                                      if dead else f"tensor-parallel step failed: {e}")
+            self.error = RuntimeError(
+                f"tensor-parallel worker rank {_names(dead)} died or is unresponsive"
+                if dead
+                else f"tensor-parallel step failed: {e}"
+            )
             raise self.error from e
 
     def _exchange(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -2,6 +2,7 @@
 
 Steps arrive over a plain TCP connection from the driver (length-prefixed pickles) and run on a loop thread,
 so a waiting rank sleeps in recv() and the actor's main thread stays free for health pings."""
+
 import os
 import pickle
 import socket
@@ -85,24 +86,33 @@ class Worker:
 
     def info(self) -> RankInfo:
         import ray
+
         return RankInfo(self.rank, os.getpid(), ray.util.get_node_ip_address())
 
     def open_store(self, host: str, timeout_s: float) -> int:
         """Rank 0 hosts the rendezvous store on a port the OS picks, so engines on one node never collide."""
-        self.store = torch.distributed.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                                timeout=timedelta(seconds=timeout_s))
+        self.store = torch.distributed.TCPStore(
+            host, 0, self.world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
         return self.store.port
 
     def init_model(self, config: EngineConfig, host: str, port: int, timeout_s: float) -> RankInfo:
         import torch.distributed as dist
+
         if self.store is None:
-            self.store = dist.TCPStore(host, port, self.world_size, is_master=False,
-                                       timeout=timedelta(seconds=timeout_s))
+            self.store = dist.TCPStore(
+                host, port, self.world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
         self.cuda = config.device == "cuda"
         if self.cuda:
             torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if self.cuda else "gloo", store=self.store, rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if self.cuda else "gloo",
+            store=self.store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
         self.runner = runner_class(config)(config)
         info = self.info()
         info.num_blocks = self.runner.available_blocks()
@@ -141,6 +151,7 @@ class Worker:
 
     def close(self) -> None:
         import torch.distributed as dist
+
         if self.sock is not None:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)

@@ -1,6 +1,7 @@
 """Paged-attention kernels. Every op has the same signature in every backend: `kernels.reference`
 (pure torch, the test oracle and the fallback), `kernels.cpu_ops` (C++, the CPU path) and
 `kernels.triton_ops` (the GPU path)."""
+
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -23,11 +24,17 @@ def attention_ops(backend: str) -> AttentionOps:
         from conveyor.kernels import triton_ops as mod
     elif backend == "cpu":
         from conveyor.kernels import cpu_ops as mod
+
         if mod.load() is None:
             raise ValueError("attention_backend 'cpu' needs the C++ CPU kernels, which cannot be built here")
-        return AttentionOps(backend, mod.store_kv_cache, mod.paged_decode_attention, mod.paged_prefill_attention,
-                            mod.paged_attention, mod.load())
+        return AttentionOps(
+            backend,
+            mod.store_kv_cache,
+            mod.paged_decode_attention,
+            mod.paged_prefill_attention,
+            mod.paged_attention,
+            mod.load(),
+        )
     else:
         raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {backend!r}")
-    return AttentionOps(backend, mod.store_kv_cache, mod.paged_decode_attention,
-                        mod.paged_prefill_attention)
+    return AttentionOps(backend, mod.store_kv_cache, mod.paged_decode_attention, mod.paged_prefill_attention)

@@ -14,6 +14,7 @@ The caches keep the engine's [num_blocks, block_size, kv_heads, head_dim] shape,
 these kernels lay K out as [kv_heads, head_dim, block_size] and V as [kv_heads, block_size, head_dim]
 (`reference_layout` shows them the reference way): only store_kv_cache writes them, only
 paged_attention reads them, and whole-block copies (swap, prefix sharing) do not care."""
+
 import functools
 import hashlib
 import logging
@@ -36,8 +37,15 @@ ISA_CPU_FLAGS: dict[str, tuple[str, ...]] = {
     "generic": (),
 }
 ISA_CFLAGS: dict[str, list[str]] = {
-    "avx512bf16": ["-DCONVEYOR_ISA_AVX512BF16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                   "-mavx512bf16", "-mfma"],
+    "avx512bf16": [
+        "-DCONVEYOR_ISA_AVX512BF16",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+        "-mfma",
+    ],
     "avx512": ["-DCONVEYOR_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "avx2": ["-DCONVEYOR_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
     "generic": ["-DCONVEYOR_ISA_GENERIC"],
@@ -82,9 +90,11 @@ def cflags(isa: str) -> list[str]:
 
 def module_name(isa: str) -> str:
     """The extension's cache name: the ISA and a digest of the sources, its flags and torch's version."""
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()))
-                            + " ".join(cflags(isa)).encode()
-                            + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(
+        b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()))
+        + " ".join(cflags(isa)).encode()
+        + torch.__version__.encode()
+    ).hexdigest()[:12]
     return f"conveyor_cpu_ops_{isa}_{digest}"
 
 
@@ -114,6 +124,7 @@ def _load(isa: str) -> ModuleType | None:
     name = module_name(isa)
     try:
         from torch.utils.cpp_extension import load as build
+
         clear_stale_lock(name)
         return build(name=name, sources=[str(SOURCE)], extra_cflags=cflags(isa), extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: the pure-torch path still runs
@@ -128,6 +139,7 @@ def clear_stale_lock(name: str, now: float | None = None) -> bool:
     """Removes the build lock of extension `name` when it is older than STALE_LOCK_S. A build killed midway
     leaves it behind, and torch's cpp_extension then waits on it for ever, silently. True: one was removed."""
     from torch.utils.cpp_extension import _get_build_directory
+
     lock = Path(_get_build_directory(name, False)) / "lock"
     try:
         age = (time.time() if now is None else now) - lock.stat().st_mtime
@@ -146,13 +158,21 @@ def reference_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torc
     return k_cache.view(n, h, d, bs).permute(0, 3, 1, 2), v_cache.view(n, h, bs, d).permute(0, 2, 1, 3)
 
 
-def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     load().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Every sequence's new tokens over its whole cached context, decodes and prefills alike:
     q [T, h, d] packed as query_start_loc says -> [T, h, d]."""
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -160,16 +180,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            max_query_len: int, scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 

@@ -12,12 +12,14 @@ Layouts (shared with kernels/triton_*.py):
   query_start_loc [num_seqs + 1] int32  cumulative new-token counts; query i of sequence b sits at
                 absolute position seq_lens[b] - q_len[b] + i and sees keys 0..that position.
 """
+
 import torch
 import torch.nn.functional as F
 
 
-def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write key/value rows [T, kv_heads, d] to flat slots; slot -1 is skipped."""
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
@@ -35,9 +37,16 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
     return blocks.view(b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)  # [B, kvh, L, d]
 
 
-def _attend(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
-            max_seq_len: int, scale: float) -> torch.Tensor:
+def _attend(
+    qp: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
     """qp: [B, max_q, h, d] padded queries -> [B, max_q, h, d]."""
     if qp.numel() == 0 or max_seq_len == 0:
         return torch.zeros_like(qp)
@@ -49,25 +58,38 @@ def _attend(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qp.shape[1], device=qp.device)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos < seq_lens[:, None])[:, None, :]
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2).float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        qp.transpose(1, 2).float(), k.float(), v.float(), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2).to(qp.dtype)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     """One query per sequence: q [B, h, d] -> [B, h, d]."""
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     ones = torch.ones_like(seq_lens)
-    return _attend(q[:, None], k_cache, v_cache, block_tables, seq_lens, ones,
-                   max_seq_len, scale)[:, 0]
+    return _attend(q[:, None], k_cache, v_cache, block_tables, seq_lens, ones, max_seq_len, scale)[:, 0]
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            max_seq_len: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     """Variable-length new tokens over cached context: q [T, h, d] -> [T, h, d]."""
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0

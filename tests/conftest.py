@@ -17,6 +17,7 @@ SHARED = "conveyor_app"
 def conveyor_app() -> Any:
     """The Serve app the HTTP reliability modules share (tests/serve_app.py); started once for all of them."""
     from tests.serve_app import shared_app
+
     return shared_app()
 
 
@@ -25,6 +26,7 @@ def pool_whole(request: pytest.FixtureRequest) -> Iterator[None]:
     """Ends an end-to-end test with the pool-whole assertion on its app: `conveyor_app`, or a module's own
     `server` / `app` (a tests.serve_app.App)."""
     from tests.serve_app import assert_pool_whole
+
     app = request.getfixturevalue(next(f for f in (SHARED, "server", "app") if f in request.fixturenames))
     yield
     assert_pool_whole(app)
@@ -32,9 +34,13 @@ def pool_whole(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def backends_line() -> str:
     from conveyor.kernels import cpu_ops
+
     isa = cpu_ops.isa() if cpu_ops.load() is not None else None
-    cpp = f"cpu (C++ kernels, {isa}; this CPU runs {', '.join(cpu_ops.supported_isas())})" if isa else \
-        "cpu unavailable (the C++ kernels cannot be built here)"
+    cpp = (
+        f"cpu (C++ kernels, {isa}; this CPU runs {', '.join(cpu_ops.supported_isas())})"
+        if isa
+        else "cpu unavailable (the C++ kernels cannot be built here)"
+    )
     triton = "triton (CUDA)" if torch.cuda.is_available() else "triton (interpreter)"
     return f"CPU capability {torch.backends.cpu.get_cpu_capability()}; backends: torch (reference), {cpp}, {triton}"
 
@@ -52,7 +58,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             nodeid = getattr(report, "nodeid", "")
             if "test_backend_matrix" not in nodeid or "[" not in nodeid:
                 continue
-            backend = next((b for b in ("torch", "cpu", "triton") if b in nodeid.split("[")[1].rstrip("]").split("-")), "?")
+            backend = next(
+                (b for b in ("torch", "cpu", "triton") if b in nodeid.split("[")[1].rstrip("]").split("-")), "?"
+            )
             counts.setdefault(backend, {}).setdefault(outcome, 0)
             counts[backend][outcome] += 1
     if not counts:
@@ -60,7 +68,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_sep("-", "attention backends")
     terminalreporter.write_line(backends_line())
     for backend, c in sorted(counts.items()):
-        terminalreporter.write_line(f"backend matrix, {backend}: " + ", ".join(f"{n} {o}" for o, n in sorted(c.items())))
+        terminalreporter.write_line(
+            f"backend matrix, {backend}: " + ", ".join(f"{n} {o}" for o, n in sorted(c.items()))
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

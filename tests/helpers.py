@@ -7,7 +7,7 @@ from conveyor.engine.model_source import resolve_model
 PROMPTS = [
     "def",
     "import os\nimport sys\nfrom collections import OrderedDict\n",
-    "class Parser:\n    \"\"\"Parse a configuration file into sections.\"\"\"\n\n    def __init__(self, path, strict=True):\n",
+    'class Parser:\n    """Parse a configuration file into sections."""\n\n    def __init__(self, path, strict=True):\n',
     "The quick brown fox jumps over the lazy dog. " * 6,
     "for i in range(10):\n    print(i * i)\n",
 ]
@@ -24,14 +24,21 @@ def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int) -> list[lis
     out = []
     for ids in prompts:
         x = torch.tensor([ids])
-        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                        min_new_tokens=max_tokens, do_sample=False, pad_token_id=3)
-        out.append(y[0, len(ids):].tolist())
+        y = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=3,
+        )
+        out.append(y[0, len(ids) :].tolist())
     return out
 
 
-def engine_greedy(model: str, prompts: list[list[int]], max_tokens: int, **options: object
-                  ) -> tuple[list[list[int]], LLM]:
+def engine_greedy(
+    model: str, prompts: list[list[int]], max_tokens: int, **options: object
+) -> tuple[list[list[int]], LLM]:
     llm = LLM(model, dtype="float32", **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

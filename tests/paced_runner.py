@@ -1,5 +1,6 @@
 """A real ModelRunner whose steps take at least STEP_S: a request's duration is then bounded below by its
 token count, whatever the machine's speed, so a drain-timeout test knows which requests cannot finish."""
+
 import time
 
 from conveyor.engine.model_runner import ModelRunner

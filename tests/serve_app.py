@@ -1,4 +1,5 @@
 """One real Ray Serve app on 127.0.0.1 for a test module, and the checks every end-to-end test ends with."""
+
 import json
 import os
 import re
@@ -18,8 +19,9 @@ from ray import serve
 from conveyor.deployments.ingress import use_haproxy
 
 TEMP_DIRS: list[str] = []
-ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96,
-              max_model_len=512)
+ENGINE = dict(
+    dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96, max_model_len=512
+)
 
 
 def free_port() -> int:
@@ -37,9 +39,16 @@ def start_ray(env: dict[str, str] | None = None, haproxy: bool = False) -> str:
     tmp = tempfile.mkdtemp(prefix="ray-serve-", dir="/tmp")
     TEMP_DIRS.append(tmp)
     use_haproxy(haproxy or ALL_HAPROXY, tmp)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
-             object_store_memory=200 * 2**20, log_to_driver=False,
-             runtime_env={"env_vars": env} if env else None)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=200 * 2**20,
+        log_to_driver=False,
+        runtime_env={"env_vars": env} if env else None,
+    )
     return ray.get_runtime_context().gcs_address
 
 
@@ -97,10 +106,12 @@ class App:
 
     def pool_whole(self, timeout: float = 20.0) -> dict[str, Any]:
         """Wait until the replica is idle with every KV block free; the last stats either way."""
+
         def idle() -> dict[str, Any] | None:
             s = self.stats()
             done = not s["num_running"] and not s["num_waiting"] and s["kv_blocks_free"] == s["kv_blocks_total"]
             return s if done else None
+
         return wait_for(idle, timeout) or self.stats()
 
 
@@ -120,14 +131,30 @@ def assert_pool_whole(app: Any) -> None:
 
 
 @contextmanager
-def serve_app(args: dict[str, Any], env: dict[str, str] | None = None, headers: dict[str, str] | None = None,
-              name: str = "default", haproxy: bool = False) -> Iterator[App]:
+def serve_app(
+    args: dict[str, Any],
+    env: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    name: str = "default",
+    haproxy: bool = False,
+) -> Iterator[App]:
     from conveyor.deployments.app import deploy
+
     start_ray(env, haproxy)
     port = free_port()
     try:
-        deploy({"num_replicas": 1, "replica_num_cpus": 0.5, "router_num_cpus": 0.5, "torch_threads": 1,
-                **args, "engine": {**ENGINE, **args.get("engine", {})}, "port": port}, name=name)
+        deploy(
+            {
+                "num_replicas": 1,
+                "replica_num_cpus": 0.5,
+                "router_num_cpus": 0.5,
+                "torch_threads": 1,
+                **args,
+                "engine": {**ENGINE, **args.get("engine", {})},
+                "port": port,
+            },
+            name=name,
+        )
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 180, headers=headers)
         replica = serve.get_deployment_handle("LLMReplica", app_name=name)
@@ -167,5 +194,8 @@ def release_shared_app() -> None:
 
 
 def sse_events(resp: httpx.Response) -> list[Any]:
-    return ["DONE" if line == "data: [DONE]" else json.loads(line[6:])
-            for line in resp.iter_lines() if line.startswith("data: ")]
+    return [
+        "DONE" if line == "data: [DONE]" else json.loads(line[6:])
+        for line in resp.iter_lines()
+        if line.startswith("data: ")
+    ]

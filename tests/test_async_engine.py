@@ -35,9 +35,11 @@ def test_concurrent_streams_finish_once_and_free_blocks(engine: AsyncEngine) -> 
 def test_cancelling_the_stream_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
     async def main() -> None:
         async def consume() -> None:
-            async for _ in engine.generate([1] + [40] * 100, SamplingParams(max_tokens=500, ignore_eos=True),
-                                           request_id="cancel-me"):
+            async for _ in engine.generate(
+                [1] + [40] * 100, SamplingParams(max_tokens=500, ignore_eos=True), request_id="cancel-me"
+            ):
                 pass
+
         task = asyncio.create_task(consume())
         while engine.stats().num_running == 0:
             await asyncio.sleep(0.01)
@@ -59,7 +61,7 @@ def test_cancelling_the_stream_aborts_and_frees_blocks(engine: AsyncEngine) -> N
 def test_bad_request_raises_and_engine_keeps_serving(engine: AsyncEngine) -> None:
     async def main() -> list:
         with pytest.raises(ValueError, match="vocabulary"):
-            await _collect(engine, [1, 10 ** 6], SamplingParams(), "bad")
+            await _collect(engine, [1, 10**6], SamplingParams(), "bad")
         return await _collect(engine, [1, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True), "good")
 
     assert asyncio.run(main())[-1].finished

@@ -3,6 +3,7 @@ transformers' (the oracle), and half-precision runs equal to the torch reference
 near-ties. Backends: `torch` (the reference), `cpu` (the C++ kernels for this CPU's ISA), `triton` (the
 Triton kernels; on a machine without CUDA they run in Triton's interpreter). The header of the test run
 names the ISA and the backends (tests/conftest.py); a backend that cannot run here is skipped with the reason."""
+
 import json
 import sys
 
@@ -27,6 +28,7 @@ def backend_unavailable(backend: str, dtype: str = "float32") -> str | None:
     """Why `backend` cannot run `dtype` on this machine, or None."""
     if backend == "cpu":
         from conveyor.kernels import cpu_ops
+
         if cpu_ops.load() is None:
             return "the C++ CPU kernels cannot be built for this CPU (see the run's header)"
         if dtype == "float16":
@@ -34,8 +36,9 @@ def backend_unavailable(backend: str, dtype: str = "float32") -> str | None:
     return None
 
 
-def run(backend: str, prompts: list[list[int]], params: SamplingParams, dtype: str = "float32",
-        **options: object) -> tuple[list, LLM]:
+def run(
+    backend: str, prompts: list[list[int]], params: SamplingParams, dtype: str = "float32", **options: object
+) -> tuple[list, LLM]:
     if (why := backend_unavailable(backend, dtype)) is not None:
         pytest.skip(why)
     llm = LLM(MODEL, dtype=dtype, attention_backend=backend, **options)
@@ -67,15 +70,21 @@ SCENARIOS = {
     "chunked-prefill-alone": {"max_num_seqs": 1, "max_num_batched_tokens": 8},
     "chunked-prefill-with-decodes": {"max_num_batched_tokens": 12},
     "preempt-recompute": {"num_blocks": 12, "block_size": 8, "enable_prefix_caching": False},
-    "preempt-swap": {"num_blocks": 12, "block_size": 8, "enable_prefix_caching": False, "preemption_mode": "swap",
-                     "swap_space": 2 ** 20},
+    "preempt-swap": {
+        "num_blocks": 12,
+        "block_size": 8,
+        "enable_prefix_caching": False,
+        "preemption_mode": "swap",
+        "swap_space": 2**20,
+    },
 }
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_tokens_equal_transformers(backend: str, scenario: str, prompts: list[list[int]],
-                                          oracle: list[list[int]]) -> None:
+def test_greedy_tokens_equal_transformers(
+    backend: str, scenario: str, prompts: list[list[int]], oracle: list[list[int]]
+) -> None:
     if (why := backend_unavailable(backend)) is not None:
         pytest.skip(why)
     llm = LLM(MODEL, dtype="float32", attention_backend=backend, **SCENARIOS[scenario])
@@ -108,12 +117,13 @@ def test_logprobs_equal_transformers(backend: str, prompts: list[list[int]], ora
     from transformers import AutoModelForCausalLM
 
     from conveyor.engine.model_source import resolve_model
+
     outs, _ = run(backend, prompts[:3], greedy(logprobs=3), max_num_batched_tokens=16)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32)
     for prompt, want, out in zip(prompts, oracle, outs):
         assert out.outputs[0].token_ids == want
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + want[:-1]])).logits[0, len(prompt) - 1:]
+            logits = hf(torch.tensor([prompt + want[:-1]])).logits[0, len(prompt) - 1 :]
         expected = torch.log_softmax(logits.float(), -1)
         for step, got in enumerate(out.outputs[0].logprobs):
             assert want[step] in got and len(got) >= 3
@@ -135,15 +145,21 @@ def test_n_greater_than_one(backend: str, prompts: list[list[int]], oracle: list
     assert all(len({tuple(t) for t in seqs}) > 1 for seqs in got)  # seeded samples differ between the n
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_structured_output(backend: str, prompts: list[list[int]]) -> None:
     """A JSON schema and a choice, greedy: valid output, and the torch reference's tokens under another budget."""
-    params = [SamplingParams(temperature=0, max_tokens=48, structured=StructuredParams(json=PERSON)),
-              SamplingParams(temperature=0, max_tokens=8, structured=StructuredParams(choice=["alpha", "beta gamma"]))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, structured=StructuredParams(json=PERSON)),
+        SamplingParams(temperature=0, max_tokens=8, structured=StructuredParams(choice=["alpha", "beta gamma"])),
+    ]
     outs, llm = run(backend, prompts[:2], params, max_num_batched_tokens=16)
     ref, _ = run("torch", prompts[:2], params)
     assert tokens(outs) == tokens(ref)
@@ -180,8 +196,9 @@ def top_logprob_errors(got: list, truth: list) -> list[float]:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_half_precision_is_as_close_to_float32_as_the_reference(backend: str, dtype: str,
-                                                                prompts: list[list[int]]) -> None:
+def test_half_precision_is_as_close_to_float32_as_the_reference(
+    backend: str, dtype: str, prompts: list[list[int]]
+) -> None:
     """At the same dtype, a backend's greedy log-probabilities are as close to the float32 run's as the torch
     reference's (mean error within 1.5x + 0.01), over the steps where each still follows the float32 tokens."""
     params = greedy(logprobs=5)
@@ -190,8 +207,10 @@ def test_half_precision_is_as_close_to_float32_as_the_reference(backend: str, dt
     ref, _ = run("torch", prompts, params, dtype=dtype)
     ours, theirs = top_logprob_errors(outs, truth), top_logprob_errors(ref, truth)
     mean = lambda x: sum(x) / len(x)  # noqa: E731
-    print(f"{backend} {dtype}: mean |logprob error| {mean(ours):.4f} over {len(ours)} steps, "
-          f"reference {mean(theirs):.4f} over {len(theirs)}")
+    print(
+        f"{backend} {dtype}: mean |logprob error| {mean(ours):.4f} over {len(ours)} steps, "
+        f"reference {mean(theirs):.4f} over {len(theirs)}"
+    )
     assert len(ours) >= len(prompts) and mean(ours) <= 1.5 * mean(theirs) + 0.01
 
 
@@ -210,42 +229,73 @@ def test_attention_in_every_step_shape(backend: str, shape: str) -> None:
     """The attention layer of each backend equals the float64 reference in every step shape, the empty one too."""
     from conveyor.engine.layers.attention import Attention, AttentionMetadata
     from conveyor.kernels import attention_ops, cpu_ops
+
     if (why := backend_unavailable(backend)) is not None:
         pytest.skip(why)
     lens, q_lens = STEP_SHAPES[shape]
     g = torch.Generator().manual_seed(len(lens))
     heads, kv_heads, d, bs, blocks = 4, 2, 64, 8, 32
-    attn = Attention(heads, kv_heads, d, d ** -0.5, attention_ops(backend))
+    attn = Attention(heads, kv_heads, d, d**-0.5, attention_ops(backend))
     attn.k_cache, attn.v_cache = (torch.zeros(blocks, bs, kv_heads, d) for _ in "kv")
     ref_k, ref_v = (torch.randn(blocks, bs, kv_heads, d, generator=g, dtype=torch.float64) for _ in "kv")
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in lens]).int() if lens else \
-        torch.zeros(0, 6, dtype=torch.int32)
+    tables = (
+        torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in lens]).int()
+        if lens
+        else torch.zeros(0, 6, dtype=torch.int32)
+    )
     cached = [n - q for n, q in zip(lens, q_lens)]
     for b, n in enumerate(cached):  # the context before the step, written through the backend's own store
         slots = (tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs).long()
-        attn.ops.store_kv_cache(*(torch.stack([c.view(-1, kv_heads, d)[s] for s in slots]).float()
-                                  if n else torch.zeros(0, kv_heads, d) for c in (ref_k, ref_v)),
-                                attn.k_cache, attn.v_cache, slots)
-    new_slots = torch.cat([(tables[b, torch.arange(c, n) // bs] * bs + torch.arange(c, n) % bs).long()
-                           for b, (c, n) in enumerate(zip(cached, lens))]) if lens else torch.zeros(0, dtype=torch.long)
+        attn.ops.store_kv_cache(
+            *(
+                torch.stack([c.view(-1, kv_heads, d)[s] for s in slots]).float() if n else torch.zeros(0, kv_heads, d)
+                for c in (ref_k, ref_v)
+            ),
+            attn.k_cache,
+            attn.v_cache,
+            slots,
+        )
+    new_slots = (
+        torch.cat(
+            [
+                (tables[b, torch.arange(c, n) // bs] * bs + torch.arange(c, n) % bs).long()
+                for b, (c, n) in enumerate(zip(cached, lens))
+            ]
+        )
+        if lens
+        else torch.zeros(0, dtype=torch.long)
+    )
     k, v = (c.view(-1, kv_heads, d)[new_slots].float() for c in (ref_k, ref_v))
     q = torch.randn(int(sum(q_lens)), heads, d, generator=g)
     qsl = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens, nd = torch.tensor(lens, dtype=torch.int32), sum(1 for x in q_lens if x == 1)
     meta = AttentionMetadata(
-        slot_mapping=new_slots, num_decodes=nd, decode_block_tables=tables[:nd], decode_seq_lens=seq_lens[:nd],
-        decode_max_seq_len=max(lens[:nd], default=0), prefill_block_tables=tables[nd:],
-        prefill_seq_lens=seq_lens[nd:], prefill_query_start_loc=qsl[nd:] - qsl[nd],
-        prefill_max_query_len=max(q_lens[nd:], default=0), prefill_max_seq_len=max(lens[nd:], default=0),
-        block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl)
+        slot_mapping=new_slots,
+        num_decodes=nd,
+        decode_block_tables=tables[:nd],
+        decode_seq_lens=seq_lens[:nd],
+        decode_max_seq_len=max(lens[:nd], default=0),
+        prefill_block_tables=tables[nd:],
+        prefill_seq_lens=seq_lens[nd:],
+        prefill_query_start_loc=qsl[nd:] - qsl[nd],
+        prefill_max_query_len=max(q_lens[nd:], default=0),
+        prefill_max_seq_len=max(lens[nd:], default=0),
+        block_tables=tables,
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
+    )
     got = attn(q, k, v, meta)
-    ref_cache = (attn.k_cache, attn.v_cache) if backend != "cpu" else cpu_ops.reference_layout(attn.k_cache, attn.v_cache)
-    want = reference.paged_prefill_attention(q.double(), ref_k, ref_v, tables, seq_lens, qsl,
-                                             max(q_lens, default=0), d ** -0.5)
+    ref_cache = (
+        (attn.k_cache, attn.v_cache) if backend != "cpu" else cpu_ops.reference_layout(attn.k_cache, attn.v_cache)
+    )
+    want = reference.paged_prefill_attention(
+        q.double(), ref_k, ref_v, tables, seq_lens, qsl, max(q_lens, default=0), d**-0.5
+    )
     assert got.shape == q.shape
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
     for cache, full in zip(ref_cache, (ref_k, ref_v)):  # every context key was stored where the tables say
         for b, n in enumerate(lens):
             slots = (tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs).long()
-            torch.testing.assert_close(cache.reshape(-1, kv_heads, d)[slots].double(),
-                                       full.view(-1, kv_heads, d)[slots], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                cache.reshape(-1, kv_heads, d)[slots].double(), full.view(-1, kv_heads, d)[slots], rtol=1e-6, atol=1e-6
+            )

@@ -1,5 +1,6 @@
 """Bad input over real HTTP: every case gets its status in the OpenAI error shape naming the field, reaches no
 engine, and leaves the server serving with its KV pool whole."""
+
 import json
 from typing import Any, Iterator
 
@@ -74,10 +75,22 @@ JSON_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
-     400, "messages"),
+    (
+        CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}
+            ]
+        },
+        400,
+        "messages",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
+        400,
+        "messages",
+    ),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "messages"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": USER, "max_tokens": 600}, 400, "max_tokens"),
@@ -127,19 +140,22 @@ RAW_CASES: list[tuple[str, str, bytes, dict[str, str], int, str | None]] = [
 
 
 @pytest.mark.parametrize("method,path,content,headers,status,param", RAW_CASES)
-def test_bad_request_bytes(app: App, method: str, path: str, content: bytes, headers: dict[str, str], status: int,
-                           param: str | None) -> None:
+def test_bad_request_bytes(
+    app: App, method: str, path: str, content: bytes, headers: dict[str, str], status: int, param: str | None
+) -> None:
     headers = {"content-type": "application/json", **headers} if content else headers
     check_error(app.http.request(method, path, content=content or None, headers=headers), status, param)
 
 
 def test_oversized_chunked_body(app: App) -> None:
     """No Content-Length: the limit is enforced on the bytes as they arrive."""
+
     def body() -> Iterator[bytes]:
         yield b'{"prompt": "'
         for _ in range(MAX_BODY // 4096 + 2):
             yield b"a" * 4096
         yield b'"}'
+
     r = app.http.post(COMP, content=body(), headers={"content-type": "application/json"})
     assert "content-length" not in r.request.headers
     check_error(r, 413, "body")

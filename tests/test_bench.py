@@ -1,6 +1,7 @@
 """The step trace records exactly the steps the scheduler ran; `conveyor bench throughput | timeline` run
 end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/test_metrics.py,
 against the served app); the cluster bench waits for ports a previous run still holds."""
+
 import json
 import random
 import socket
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.lengths import Lengths, token_prompts
-from conveyor.engine import LLM, SamplingParams
 from conveyor.cli import main
+from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.step_trace import assign_slots, chrome_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -20,21 +21,31 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 def test_timeline_has_exactly_the_steps_the_scheduler_ran(policy: str) -> None:
-    llm = LLM("demo:tiny", dtype="float32", max_num_seqs=4, max_num_batched_tokens=96, scheduling_policy=policy,
-              enable_prefix_caching=False)
+    llm = LLM(
+        "demo:tiny",
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=96,
+        scheduling_policy=policy,
+        enable_prefix_caching=False,
+    )
     eng, ran = llm.engine, []
     execute = eng.executor.execute_model
 
     def spy(so):  # an independent record of what the scheduler handed to the model
         ran.append([(c.req_id, len(c.token_ids)) for c in so.chunks])
         return execute(so)
+
     eng.executor.execute_model = spy
     steps_before = eng.scheduler.num_steps
     eng.step_trace.enable()
     outputs = [3, 9, 5, 12]
     prompts = [list(range(10, 10 + n)) for n in (20, 30, 7, 12)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True) for n in outputs], use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True) for n in outputs],
+        use_tqdm=False,
+    )
     trace = eng.step_trace.disable()
     assert len(trace) == len(ran) == eng.scheduler.num_steps - steps_before
     assert [r.step for r in trace] == list(range(steps_before + 1, eng.scheduler.num_steps + 1))
@@ -72,12 +83,30 @@ def test_lengths_specs() -> None:
 @pytest.mark.slow
 def test_bench_throughput_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, plot = tmp_path / "t.json", tmp_path / "t.png"
-    assert main(["bench", "throughput", "--num-requests", "3", "--cap-output-tokens", "3", "--max-num-seqs", "4",
-                 "--out", str(out), "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--num-requests",
+                "3",
+                "--cap-output-tokens",
+                "3",
+                "--max-num-seqs",
+                "4",
+                "--out",
+                str(out),
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     rows = result["results"]
     assert [(r["workload"], r["policy"]) for r in rows] == [
-        (w, p) for w in ("seed", "heavy-tail", "shared-prefix", "memory-pressure") for p in ("continuous", "static")]
+        (w, p) for w in ("seed", "heavy-tail", "shared-prefix", "memory-pressure") for p in ("continuous", "static")
+    ]
     assert all(r["output_tokens"] == 9 and r["outputs_match_first_policy"] and r["tok_per_s"] > 0 for r in rows)
     assert next(r for r in rows if r["workload"] == "shared-prefix")["prefix_cache_hit_tokens"] > 0
     assert plot.read_bytes()[:8] == PNG and "continuous/static" in capsys.readouterr().out
@@ -86,8 +115,27 @@ def test_bench_throughput_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
 @pytest.mark.slow
 def test_bench_timeline_end_to_end(tmp_path: Path) -> None:
     png, trace = tmp_path / "tl.png", tmp_path / "tl.json"
-    assert main(["bench", "timeline", "--num-requests", "5", "--prompt-len", "uniform:8,24", "--output-len",
-                 "uniform:2,8", "--max-num-seqs", "3", "--out", str(png), "--trace", str(trace)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "timeline",
+                "--num-requests",
+                "5",
+                "--prompt-len",
+                "uniform:8,24",
+                "--output-len",
+                "uniform:2,8",
+                "--max-num-seqs",
+                "3",
+                "--out",
+                str(png),
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     assert png.read_bytes()[:8] == PNG
     data = json.loads(trace.read_text())
     names = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
@@ -106,7 +154,9 @@ def test_bench_rejects_bad_options(capsys: pytest.CaptureFixture) -> None:
 
 def test_serve_bench_goodput_and_percentiles() -> None:
     import argparse
+
     from benchmarks.serve_bench import RequestResult, parse_slo, summarize
+
     fast = RequestResult(0.0, 10, ok=True, ttft_s=0.2, e2e_s=0.5, output_tokens=4, itl_s=[0.1, 0.1, 0.1])
     slow_start = RequestResult(0.1, 10, ok=True, ttft_s=0.8, e2e_s=0.9, output_tokens=4, itl_s=[0.03] * 3)
     jerky = RequestResult(0.2, 10, ok=True, ttft_s=0.1, e2e_s=0.4, output_tokens=3, itl_s=[0.01, 0.29])
@@ -126,6 +176,7 @@ def test_serve_bench_goodput_and_percentiles() -> None:
 
 def test_cluster_bench_waits_for_ports_the_last_run_still_holds() -> None:
     from benchmarks.cluster import wait_for_ports
+
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()

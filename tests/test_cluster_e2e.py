@@ -2,6 +2,7 @@
 queue), KV autoscaling 1 -> 2 -> 1, prefix affinity of the KV-aware router against Ray's power-of-two
 router, two router replicas under a queue-time objective. One Ray cluster for the module; each test
 deploys its own apps and deletes them."""
+
 import asyncio
 import random
 import threading
@@ -36,8 +37,13 @@ def cluster() -> Iterator[SimpleNamespace]:
 
 def run_apps(**apps: dict[str, Any]) -> None:
     from conveyor.deployments.app import AppArgs, build_app
-    serve.run_many([serve.RunTarget(build_app(AppArgs(**{**APP, **args})), name=name, route_prefix=f"/{name}")
-                    for name, args in apps.items()])
+
+    serve.run_many(
+        [
+            serve.RunTarget(build_app(AppArgs(**{**APP, **args})), name=name, route_prefix=f"/{name}")
+            for name, args in apps.items()
+        ]
+    )
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -73,7 +79,9 @@ def await_pools_whole(http: httpx.Client, blocks: int, replicas: int = 2) -> Non
         snap = http.get("/v1/cluster").json()
         return len(snap["replicas"]) == replicas and all(
             r["num_running"] == r["num_waiting"] == 0 and r["kv_blocks_free"] == r["kv_blocks_total"] == blocks
-            for r in snap["replicas"])
+            for r in snap["replicas"]
+        )
+
     eventually(whole, 20, "every block pool is whole again")
 
 
@@ -88,8 +96,9 @@ def test_burst_gets_429_or_waits_in_queue_and_every_admitted_request_completes(c
     url, http = f"{cluster.url}/burst", httpx.Client(base_url=f"{cluster.url}/burst", timeout=60)
     try:
         rng = random.Random(0)
-        bodies = [{"prompt": tokens(rng, 64), "max_tokens": 32, "ignore_eos": True, "temperature": 0}
-                  for _ in range(32)]
+        bodies = [
+            {"prompt": tokens(rng, 64), "max_tokens": 32, "ignore_eos": True, "temperature": 0} for _ in range(32)
+        ]
         start = time.time()
         resps = asyncio.run(post_all(url, bodies))
         assert time.time() - start < 120
@@ -114,6 +123,7 @@ def test_burst_gets_429_or_waits_in_queue_and_every_admitted_request_completes(c
         def idle() -> bool:
             s = replica.stats.remote().result()
             return s["num_running"] == s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] == 24
+
         eventually(idle, 10, "the block pool is whole again")
         snap = http.get("/v1/cluster").json()
         assert snap["totals"]["replicas"] == 1 and snap["replicas"][0]["kv_blocks_total"] == 24
@@ -154,8 +164,10 @@ class Load:
     async def client(self, http: httpx.AsyncClient, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stop.is_set():
-            r = await http.post("/v1/completions", json={"prompt": tokens(rng, self.prompt_len), "ignore_eos": True,
-                                                         "max_tokens": self.max_tokens})
+            r = await http.post(
+                "/v1/completions",
+                json={"prompt": tokens(rng, self.prompt_len), "ignore_eos": True, "max_tokens": self.max_tokens},
+            )
             self.codes.append(r.status_code)
             if r.status_code in (429, 503):  # a refusal must say when to come back (KeyError fails the test)
                 await asyncio.sleep(float(r.headers["retry-after"]))
@@ -183,22 +195,32 @@ def test_load_client_errors_fail_the_test() -> None:
 
 
 def test_kv_pressure_scales_1_to_2_and_idle_back_to_1(cluster: SimpleNamespace) -> None:
-    scaling = {"min_replicas": 1, "max_replicas": 2, "look_back_period_s": 2, "metrics_interval_s": 0.5,
-               "policy": {"target_kv_utilization": 0.5, "tolerance": 0.1, "upscale_delay_s": 1,
-                          "downscale_delay_s": 4}}
+    scaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "look_back_period_s": 2,
+        "metrics_interval_s": 0.5,
+        "policy": {"target_kv_utilization": 0.5, "tolerance": 0.1, "upscale_delay_s": 1, "downscale_delay_s": 4},
+    }
     run_apps(scale={"engine": {**ENGINE, "num_blocks": 48}, "kv_autoscaling": scaling})
     http = httpx.Client(base_url=f"{cluster.url}/scale", timeout=60)
     try:
         assert running_replicas("scale") == 1
         with Load(f"{cluster.url}/scale", n=6, prompt_len=48, max_tokens=160) as load:
             eventually(lambda: running_replicas("scale") == 2, 120, "scale up to 2 replicas under KV pressure")
-            eventually(lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 2, 20,
-                       "the new replica reports to admission")
+            eventually(
+                lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 2,
+                20,
+                "the new replica reports to admission",
+            )
         # 503 + Retry-After is a clean refusal too: while a replica starts, admission may see stale stats
         assert load.codes.count(200) >= 1 and set(load.codes) <= {200, 429, 503}, load.codes
         eventually(lambda: running_replicas("scale") == 1, 90, "scale back to 1 replica when idle")
-        eventually(lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 1, 15,
-                   "the stopped replica's stats are dropped")
+        eventually(
+            lambda: http.get("/v1/cluster").json()["totals"]["replicas"] == 1,
+            15,
+            "the stopped replica's stats are dropped",
+        )
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     finally:
         serve.delete("scale")
@@ -206,8 +228,9 @@ def test_kv_pressure_scales_1_to_2_and_idle_back_to_1(cluster: SimpleNamespace) 
 
 def test_shared_prefixes_stick_to_one_replica_at_the_oracle_hit_rate(cluster: SimpleNamespace) -> None:
     engine = {**ENGINE, "num_blocks": 256}
-    run_apps(kv={"engine": engine, "num_replicas": 2},
-             p2c={"engine": engine, "num_replicas": 2, "request_router": None})
+    run_apps(
+        kv={"engine": engine, "num_replicas": 2}, p2c={"engine": engine, "num_replicas": 2, "request_router": None}
+    )
     rng = random.Random(1)
     systems = [tokens(rng, 160) for _ in range(3)]
     work = [(g, systems[g] + tokens(rng, 20)) for g in range(3) for _ in range(8)]
@@ -237,8 +260,14 @@ def test_shared_prefixes_stick_to_one_replica_at_the_oracle_hit_rate(cluster: Si
 def test_two_routers_queue_time_objective_refuses_with_retry_after_and_loses_nothing(cluster: SimpleNamespace) -> None:
     """2 router replicas share reservations and the KV index through the admission actor; with
     max_queue_time_s a burst far beyond 2 replicas x 4 slots is partly refused (429 queue_time)."""
-    run_apps(slo={"engine": {**ENGINE, "num_blocks": 128, "max_num_seqs": 4}, "num_replicas": 2, "router_replicas": 2,
-                  "max_queue_time_s": 1.0})
+    run_apps(
+        slo={
+            "engine": {**ENGINE, "num_blocks": 128, "max_num_seqs": 4},
+            "num_replicas": 2,
+            "router_replicas": 2,
+            "max_queue_time_s": 1.0,
+        }
+    )
     url, http = f"{cluster.url}/slo", httpx.Client(base_url=f"{cluster.url}/slo", timeout=60)
     try:
         rng = random.Random(2)
@@ -249,8 +278,9 @@ def test_two_routers_queue_time_objective_refuses_with_retry_after_and_loses_not
         assert snap["config"]["max_queue_time_s"] == 1.0 and snap["totals"]["replicas"] == 2
         assert all(r["kv_index_reported"] and r["kv_index_blocks"] > 0 for r in snap["replicas"])
         assert all(r["rates"]["finished_per_s"] > 0 for r in snap["replicas"])
-        bodies = [{"prompt": tokens(rng, 40), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
-                  for _ in range(48)]
+        bodies = [
+            {"prompt": tokens(rng, 40), "max_tokens": 48, "ignore_eos": True, "temperature": 0} for _ in range(48)
+        ]
         assert_burst(asyncio.run(post_all(url, bodies)), 48, "queue_time")
         replica = serve.get_deployment_handle("LLMReplica", app_name="slo")
         await_pools_whole(http, 128)
@@ -266,8 +296,14 @@ def test_two_routers_commit_within_leases_and_no_request_is_preempted(cluster: S
     at every sync, so together they never commit more than a replica's headroom (room up to the high
     watermark, every request's growth to max_tokens counted): the excess gets 429 no_room, nothing is
     preempted, nothing lost."""
-    run_apps(leases={"engine": {**ENGINE, "num_blocks": 48}, "num_replicas": 2, "router_replicas": 2,
-                     "admission": {"count_output_blocks": True}})
+    run_apps(
+        leases={
+            "engine": {**ENGINE, "num_blocks": 48},
+            "num_replicas": 2,
+            "router_replicas": 2,
+            "admission": {"count_output_blocks": True},
+        }
+    )
     url, http = f"{cluster.url}/leases", httpx.Client(base_url=f"{cluster.url}/leases", timeout=60)
     try:
         rng = random.Random(5)
@@ -278,14 +314,17 @@ def test_two_routers_commit_within_leases_and_no_request_is_preempted(cluster: S
             snap = http.get("/v1/cluster").json()
             ids = {r["replica_id"] for r in snap["replicas"]}
             return snap.get("routers") == 2 and len(ids) == 2 and set(snap.get("lease", {})) == ids
+
         eventually(leased, 20, "both routers sync and hold a lease of both replicas")
-        bodies = [{"prompt": tokens(rng, 120), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
-                  for _ in range(40)]  # 11 blocks each; a replica's headroom is 43 of its 48
+        bodies = [
+            {"prompt": tokens(rng, 120), "max_tokens": 48, "ignore_eos": True, "temperature": 0} for _ in range(40)
+        ]  # 11 blocks each; a replica's headroom is 43 of its 48
         assert_burst(asyncio.run(post_all(url, bodies)), 48, "no_room")
         await_pools_whole(http, 48)
         preempted = [r["num_preemptions"] for r in http.get("/v1/cluster").json()["replicas"]]
-        decisions = [ln for ln in http.get("/metrics").text.splitlines()
-                     if ln.startswith("conveyor_admission_decisions_total")]
+        decisions = [
+            ln for ln in http.get("/metrics").text.splitlines() if ln.startswith("conveyor_admission_decisions_total")
+        ]
         assert preempted == [0, 0], decisions  # a rare CI failure: which path admitted too much (fail_open?)
     finally:
         serve.delete("leases")

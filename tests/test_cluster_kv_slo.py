@@ -1,5 +1,6 @@
 """Cluster layer, second pass, without Ray: the KV index fed by replicas' KV events and followed by routers,
 routing on real contents, service rates and the queue-time objective, several routers sharing one actor."""
+
 import asyncio
 import math
 import time
@@ -17,13 +18,34 @@ from conveyor.cluster.stats import Rates, ReplicaStats, block_hashes
 from conveyor.engine.prefix_hash import block_hashes as engine_block_hashes
 
 
-def stats(rid: str, free: int = 100, total: int = 100, running: int = 0, waiting: int = 0, waiting_tokens: int = 0,
-          busy: float = 0.0, prefill: int = 0, decode: int = 0, finished: int = 0, seqs: int = 8,
-          ts: float = 0.0) -> dict:
-    return ReplicaStats(rid, num_running=running, num_waiting=waiting, num_waiting_tokens=waiting_tokens,
-                        kv_blocks_total=total, kv_blocks_free=free, num_finished=finished, max_num_seqs=seqs,
-                        busy_time_s=busy, num_prefill_tokens=prefill, num_decode_tokens=decode,
-                        timestamp=ts).to_dict()
+def stats(
+    rid: str,
+    free: int = 100,
+    total: int = 100,
+    running: int = 0,
+    waiting: int = 0,
+    waiting_tokens: int = 0,
+    busy: float = 0.0,
+    prefill: int = 0,
+    decode: int = 0,
+    finished: int = 0,
+    seqs: int = 8,
+    ts: float = 0.0,
+) -> dict:
+    return ReplicaStats(
+        rid,
+        num_running=running,
+        num_waiting=waiting,
+        num_waiting_tokens=waiting_tokens,
+        kv_blocks_total=total,
+        kv_blocks_free=free,
+        num_finished=finished,
+        max_num_seqs=seqs,
+        busy_time_s=busy,
+        num_prefill_tokens=prefill,
+        num_decode_tokens=decode,
+        timestamp=ts,
+    ).to_dict()
 
 
 def events(stored=(), evicted=(), reset=False) -> dict:
@@ -32,11 +54,14 @@ def events(stored=(), evicted=(), reset=False) -> dict:
 
 # ---------------------------------------------------------------- KV index
 
+
 def test_cluster_keys_are_the_engines_keys():
     ids = list(range(50))
     assert block_hashes(ids, 16) == engine_block_hashes(ids, 16)
-    assert block_hashes(ids, 16, "t") != block_hashes(ids, 16) and block_hashes(ids, 16, max_blocks=2) == \
-        block_hashes(ids, 16)[:2]
+    assert (
+        block_hashes(ids, 16, "t") != block_hashes(ids, 16)
+        and block_hashes(ids, 16, max_blocks=2) == block_hashes(ids, 16)[:2]
+    )
 
 
 def test_kv_index_needs_a_reset_first_then_follows_events():
@@ -99,6 +124,7 @@ def test_actor_asks_for_a_listing_and_routers_follow_its_index():
 
 # ---------------------------------------------------------------- routing on real contents
 
+
 def test_router_scores_real_contents_and_guesses_only_for_unreported():
     h = block_hashes(list(range(64)), 16)
     guess = PrefixIndex()
@@ -108,8 +134,12 @@ def test_router_scores_real_contents_and_guesses_only_for_unreported():
     cands = [Candidate("a", s("a")), Candidate("b", s("b")), Candidate("c", s("c"))]
     scored = {x.replica_id: x for x in score_replicas(cands, h, guess, RouterConfig(), cached_blocks={"a": 0, "b": 4})}
     assert scored["a"].affinity == 0.0 and scored["b"].affinity == 1.0 and scored["c"].affinity == 1.0
-    assert choose(score_replicas(cands, h, guess, RouterConfig(), cached_blocks={"a": 0, "b": 4, "c": 1}),
-                  RouterConfig())[0] == "b"
+    assert (
+        choose(score_replicas(cands, h, guess, RouterConfig(), cached_blocks={"a": 0, "b": 4, "c": 1}), RouterConfig())[
+            0
+        ]
+        == "b"
+    )
 
 
 def test_router_follows_admissions_order_even_when_it_looks_overloaded():
@@ -139,6 +169,7 @@ def test_admission_ranks_by_real_prefix_and_reserved_prompts_attract():
 
 
 # ---------------------------------------------------------------- rates and queue time
+
 
 def test_rates_per_busy_second_decay_over_the_window():
     prev = ReplicaStats.from_dict(stats("r"))
@@ -173,8 +204,9 @@ def test_max_queue_time_refuses_with_retry_after_and_counts_reservations():
     c = AdmissionController(AdmissionConfig(max_queue_time_s=2.0, queue_time_safety=1.0))
     for rid in "ab":  # 1 s of busy time: 4 requests finished, 4000 prompt tokens
         c.update(ReplicaStats.from_dict(stats(rid, running=8)), 0.0)
-        c.update(ReplicaStats.from_dict(stats(rid, running=8, waiting=3, busy=1.0, prefill=4000, finished=4,
-                                              ts=1)), 0.1)
+        c.update(
+            ReplicaStats.from_dict(stats(rid, running=8, waiting=3, busy=1.0, prefill=4000, finished=4, ts=1)), 0.1
+        )
     assert c.replicas["a"].rates.finished_per_s == 4.0
     admitted = []
     for _ in range(20):
@@ -194,6 +226,7 @@ def test_max_queue_time_refuses_with_retry_after_and_counts_reservations():
 
 
 # ---------------------------------------------------------------- several routers
+
 
 class Handle:
     def __init__(self, body: AdmissionActor):
@@ -238,8 +271,7 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
         assert d3.admit
         full = d1.replicas[0] if d1.replicas[0] == d2.replicas[0] else None
         if full is not None:  # both sent the same prompt to one replica: now full for either router
-            assert one.controller.room(full) == 0 and (await one.decide(20)).replicas == [
-                "b" if full == "a" else "a"]
+            assert one.controller.room(full) == 0 and (await one.decide(20)).replicas == ["b" if full == "a" else "a"]
         clock[0] = 0.4
         body.report({**stats("a", total=40, free=20, ts=1)})
         body.report({**stats("b", total=40, free=20, ts=1)})
@@ -263,8 +295,9 @@ def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: 
         return Handle(body)
 
     def committed(routers: list[AdmissionClient], rid: str) -> int:
-        return (sum(r.blocks for r in body.controller.book.held.get(rid, ()))
-                + sum(r.blocks for c in routers for r in c.controller.book.own(rid)))
+        return sum(r.blocks for r in body.controller.book.held.get(rid, ())) + sum(
+            r.blocks for c in routers for r in c.controller.book.own(rid)
+        )
 
     async def scenario() -> int:
         routers = [AdmissionClient(get, clock=lambda: 0.0) for _ in range(2)]
@@ -287,6 +320,7 @@ def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: 
 
 def test_lease_shares_split_evenly_and_by_demand_within_headroom():
     from conveyor.cluster.leases import Leases
+
     book = Leases(ttl_s=1.0)
     assert book.grant("r1", {"a": 100}, 0.0, demand=0, routers=2) == {"a": 50}
     assert book.grant("r2", {"a": 100}, 0.0, demand=30, routers=2) == {"a": 50}  # r1 holds 50
@@ -332,6 +366,7 @@ def test_count_output_blocks_charges_the_likely_output_not_an_unset_max_tokens()
 
 def test_output_lengths_quantile_of_the_longer_recent_outputs():
     from conveyor.engine.output_lengths import OutputLengths
+
     lengths = OutputLengths(window=20, quantile=0.9, min_samples=10)
     for n in range(1, 10):
         lengths.add(n * 10)
@@ -356,9 +391,16 @@ def test_a_cold_replica_expects_its_prior_not_an_unset_max_tokens():
     EngineConfig.cold_output_tokens (256), and the replica reports that as a new request's likely length, so
     count_output_blocks charges 16 blocks, not 125; cold_output_tokens 0 charges max_tokens as before."""
     from conveyor.engine import LLM, SamplingParams
+
     for prior, likely, left in ((256, 256, 255), (0, 0, 1999)):
-        llm = LLM("demo:tiny", dtype="float32", num_blocks=256, block_size=16, max_num_batched_tokens=512,
-                  cold_output_tokens=prior)
+        llm = LLM(
+            "demo:tiny",
+            dtype="float32",
+            num_blocks=256,
+            block_size=16,
+            max_num_batched_tokens=512,
+            cold_output_tokens=prior,
+        )
         llm.engine.add_request("r", list(range(5, 25)), SamplingParams(max_tokens=2000, ignore_eos=True))
         llm.engine.step()
         s = llm.engine.stats()
@@ -383,6 +425,7 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     """The engine's stat that count_output_blocks charges: every request's blocks still to come if it runs to
     max_tokens, waiting ones included (before, only running requests' tokens_left were summed)."""
     from conveyor.engine import LLM, SamplingParams
+
     llm = LLM("demo:tiny", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=1, max_num_batched_tokens=64)
     engine = llm.engine
     for i, (prompt, out) in enumerate([(20, 30), (40, 100)]):
@@ -409,8 +452,11 @@ def test_engine_bounds_growth_by_how_long_outputs_run():
     a new one's growth and tokens_left count 12 tokens, not 200, and the replica reports 12 as a new request's
     likely length. A request that outlives every finished one is charged its max_tokens again."""
     from conveyor.engine import LLM, SamplingParams
+
     llm = LLM("demo:tiny", dtype="float32", num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
-    llm.generate([{"prompt_token_ids": [5 + i] * 20} for i in range(16)], SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.generate(
+        [{"prompt_token_ids": [5 + i] * 20} for i in range(16)], SamplingParams(max_tokens=12, ignore_eos=True)
+    )
     core = llm.engine.core.core
     assert core.stats().likely_output_tokens == 12
     engine = llm.engine
@@ -433,6 +479,7 @@ def test_reservations_settle_on_arrival_when_the_replica_counts_them():
 
     def push(t: float, added: int) -> None:
         c.update(ReplicaStats.from_dict({**stats("a", free=100, ts=t), "num_added": added}), t)
+
     push(0.0, 0)
     c.reserve("a", 10, 0.01)
     c.reserve("a", 20, 0.02)

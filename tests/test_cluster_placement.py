@@ -1,5 +1,6 @@
 """Placement by expected TTFT, without Ray: prefix affinity against queue time, hot prefixes spread by cache
 capacity, KV demand that charges only uncached blocks, and the rates and queue time that feed them."""
+
 from conveyor.cluster.admission import AdmissionConfig, AdmissionController, demand, waiting_blocks
 from conveyor.cluster.hot_blocks import HotBlocks
 from conveyor.cluster.placement import Option, cost_s, rank
@@ -9,11 +10,33 @@ from conveyor.cluster.routing import Candidate, RouterConfig, choose, score_repl
 from conveyor.cluster.stats import Rates, ReplicaStats, block_hashes
 
 
-def stats(rid: str, free: int = 200, total: int = 200, running: int = 0, waiting: int = 0, waiting_tokens: int = 0,
-          busy: float = 0.0, prefill: int = 0, queries: int = 0, hits: int = 0, ts: float = 0.0) -> ReplicaStats:
-    return ReplicaStats(rid, num_running=running, num_waiting=waiting, num_waiting_tokens=waiting_tokens,
-                        kv_blocks_total=total, kv_blocks_free=free, max_num_seqs=16, busy_time_s=busy,
-                        num_prefill_tokens=prefill, prefix_cache_queries=queries, prefix_cache_hits=hits, timestamp=ts)
+def stats(
+    rid: str,
+    free: int = 200,
+    total: int = 200,
+    running: int = 0,
+    waiting: int = 0,
+    waiting_tokens: int = 0,
+    busy: float = 0.0,
+    prefill: int = 0,
+    queries: int = 0,
+    hits: int = 0,
+    ts: float = 0.0,
+) -> ReplicaStats:
+    return ReplicaStats(
+        rid,
+        num_running=running,
+        num_waiting=waiting,
+        num_waiting_tokens=waiting_tokens,
+        kv_blocks_total=total,
+        kv_blocks_free=free,
+        max_num_seqs=16,
+        busy_time_s=busy,
+        num_prefill_tokens=prefill,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        timestamp=ts,
+    )
 
 
 def test_prefix_stays_until_its_queue_costs_more_than_the_prefill_it_saves():
@@ -40,8 +63,10 @@ def test_new_prefixes_spread_by_hot_capacity_before_evicting():
     assert rank([over, busy], 35, 16) == ["b", "a"]  # 0.4 s of recompute later > b's 0.3 s queue
     busier = Option("b", 0, wait_s=0.5, prefill_tokens_per_s=1000.0, hot_blocks=0, capacity_blocks=200)
     assert rank([over, busier], 35, 16) == ["a", "b"]
-    assert rank([Option("a", 0, 0.0, 1000.0, 0, 200, load=3), Option("b", 0, 0.0, 1000.0, 0, 200, load=1)],
-                35, 16) == ["b", "a"]  # all else equal: load
+    assert rank([Option("a", 0, 0.0, 1000.0, 0, 200, load=3), Option("b", 0, 0.0, 1000.0, 0, 200, load=1)], 35, 16) == [
+        "b",
+        "a",
+    ]  # all else equal: load
 
 
 def test_hot_blocks_count_reused_keys_and_once_sent_prefixes_whole():
@@ -133,8 +158,9 @@ def test_rates_count_wall_time_between_pushes_while_working():
 
 def test_queue_time_kv_slots_count_growth_to_max_tokens():
     rates = Rates(prefill_tokens_per_s=1000.0, finished_per_s=1.0, steps_per_s=10.0)
-    s = ReplicaStats("r", num_running=4, kv_blocks_total=100, kv_blocks_free=60, max_num_seqs=16,
-                     tokens_left=(10, 20, 160, 160))
+    s = ReplicaStats(
+        "r", num_running=4, kv_blocks_total=100, kv_blocks_free=60, max_num_seqs=16, tokens_left=(10, 20, 160, 160)
+    )
     # 4 use 40 blocks but will use 40 + 22: 6 full-grown requests fit, so 2 slots, and the 3rd waits for one
     assert queue_time_s(s, rates) == 0.0 and queue_time_s(s, rates, extra_requests=2) == 1.0
 

@@ -1,4 +1,5 @@
 """Cluster policies without a Ray cluster: admission, routing, autoscaling, and their thin adapters."""
+
 import asyncio
 import time
 from dataclasses import replace
@@ -8,27 +9,63 @@ import pytest
 import yaml
 
 from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision, prometheus_text
-from conveyor.cluster.watermarks import Watermarks
 from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
-from conveyor.cluster.autoscaling import KVCacheAutoscalingPolicy, KVScalingConfig, autoscaling_metrics, desired_replicas
+from conveyor.cluster.autoscaling import (
+    KVCacheAutoscalingPolicy,
+    KVScalingConfig,
+    autoscaling_metrics,
+    desired_replicas,
+)
 from conveyor.cluster.prefix_index import PrefixIndex
-from conveyor.cluster.routing import (Candidate, KVAwareRequestRouter, RouterConfig, RoutingHint, choose, find_hint,
-                             score_replicas)
+from conveyor.cluster.routing import (
+    Candidate,
+    KVAwareRequestRouter,
+    RouterConfig,
+    RoutingHint,
+    choose,
+    find_hint,
+    score_replicas,
+)
 from conveyor.cluster.stats import ReplicaStats, block_hashes, num_blocks, push_due
+from conveyor.cluster.watermarks import Watermarks
 from conveyor.engine.stats import EngineStats
 
 
-def rs(rid: str, used: int = 0, total: int = 100, waiting: int = 0, waiting_tokens: int = 0, running: int = 0,
-       preemptions: int = 0, ts: float = 0.0) -> ReplicaStats:
-    return ReplicaStats(rid, num_running=running, num_waiting=waiting, num_waiting_tokens=waiting_tokens,
-                        kv_blocks_total=total, kv_blocks_free=total - used, num_preemptions=preemptions, timestamp=ts)
+def rs(
+    rid: str,
+    used: int = 0,
+    total: int = 100,
+    waiting: int = 0,
+    waiting_tokens: int = 0,
+    running: int = 0,
+    preemptions: int = 0,
+    ts: float = 0.0,
+) -> ReplicaStats:
+    return ReplicaStats(
+        rid,
+        num_running=running,
+        num_waiting=waiting,
+        num_waiting_tokens=waiting_tokens,
+        kv_blocks_total=total,
+        kv_blocks_free=total - used,
+        num_preemptions=preemptions,
+        timestamp=ts,
+    )
 
 
 # ---------------------------------------------------------------- stats
 
+
 def test_replica_stats_from_engine_dict():
-    e = EngineStats(num_running=3, num_waiting=2, num_waiting_tokens=40, kv_blocks_total=100, kv_blocks_free=30,
-                    num_preemptions=1, timestamp=5.0)
+    e = EngineStats(
+        num_running=3,
+        num_waiting=2,
+        num_waiting_tokens=40,
+        kv_blocks_total=100,
+        kv_blocks_free=30,
+        num_preemptions=1,
+        timestamp=5.0,
+    )
     s = ReplicaStats.from_dict({**e.to_dict(), "replica_id": "r1"})
     assert s == ReplicaStats.from_engine("r1", e)
     assert (s.replica_id, s.num_running, s.kv_blocks_used, s.num_preemptions, s.timestamp) == ("r1", 3, 70, 1, 5.0)
@@ -96,6 +133,7 @@ def test_prefix_index_lru_evicts_deep_blocks_first():
 
 
 # ---------------------------------------------------------------- admission
+
 
 def test_watermark_hysteresis():
     w = Watermarks(high=0.9, low=0.75)
@@ -304,6 +342,7 @@ def test_admission_client_syncs_slower_while_nothing_happens_and_wakes_on_a_requ
         async def counted(*args):
             syncs.append(time.monotonic())
             return await inner(*args)
+
         actor.sync = SimpleNamespace(remote=counted)
         return actor
 
@@ -372,8 +411,12 @@ def test_router_scores_affinity_headroom_queue():
     idx = PrefixIndex()
     h = block_hashes(list(range(64)), 16)
     idx.record("a", h[:3])
-    cands = [Candidate("a", rs("a", used=40, running=2)), Candidate("b", rs("b", used=40, running=2)),
-             Candidate("c", rs("c", used=10, running=2)), Candidate("d", rs("d", used=40, running=9))]
+    cands = [
+        Candidate("a", rs("a", used=40, running=2)),
+        Candidate("b", rs("b", used=40, running=2)),
+        Candidate("c", rs("c", used=10, running=2)),
+        Candidate("d", rs("d", used=40, running=9)),
+    ]
     scored = {s.replica_id: s for s in score_replicas(cands, h, idx, CFG)}
     assert scored["a"].affinity == 0.75 and scored["b"].affinity == 0.0
     assert scored["a"].score > scored["c"].score > scored["b"].score > scored["d"].score
@@ -401,8 +444,11 @@ def test_router_falls_back_when_preferred_overloaded_vs_least_loaded():
     cfg = RouterConfig(max_queue_imbalance=4, max_pressure_imbalance=0.5)
     busy = [Candidate("a", rs("a", used=30, running=12)), Candidate("b", rs("b", used=30, running=2))]
     assert choose(score_replicas(busy, h, idx, cfg), cfg) == ["b", "a"]
-    calm = [Candidate("a", rs("a", used=30, running=5)), Candidate("b", rs("b", used=30, running=2)),
-            Candidate("c", rs("c", used=60, running=40))]  # a very busy c elsewhere does not matter
+    calm = [
+        Candidate("a", rs("a", used=30, running=5)),
+        Candidate("b", rs("b", used=30, running=2)),
+        Candidate("c", rs("c", used=60, running=40)),
+    ]  # a very busy c elsewhere does not matter
     assert choose(score_replicas(calm, h, idx, cfg), cfg)[0] == "a"
     hot = [Candidate("a", rs("a", used=85)), Candidate("b", rs("b", used=20))]
     assert choose(score_replicas(hot, h, idx, cfg), cfg)[0] == "b"  # pressure gap 0.65 > 0.5
@@ -416,8 +462,10 @@ def test_router_prefers_fresh_pressure_and_ongoing_over_routing_stats():
     idx.record("a", h)
     stale = [Candidate("a", rs("a", used=95, running=8)), Candidate("b", rs("b", used=10))]
     assert choose(score_replicas(stale, h, idx, CFG), CFG)[0] == "b"  # a looks full in its old stats
-    fresh = [Candidate("a", rs("a", used=95, running=8), ongoing=1, pressure=0.3),
-             Candidate("b", rs("b", used=10), ongoing=0, pressure=0.1)]
+    fresh = [
+        Candidate("a", rs("a", used=95, running=8), ongoing=1, pressure=0.3),
+        Candidate("b", rs("b", used=10), ongoing=0, pressure=0.1),
+    ]
     scored = score_replicas(fresh, h, idx, CFG)
     assert choose(scored, CFG)[0] == "a" and scored[0].load == 1 and scored[0].pressure == 0.3
     hot = [Candidate("a", rs("a", used=10), pressure=0.95), Candidate("b", rs("b", used=50))]
@@ -456,6 +504,7 @@ def test_routing_hint_and_lookup():
 class FakeReplica:
     def __init__(self, rid: str, stats: dict):
         from ray.serve._private.common import DeploymentID, ReplicaID
+
         self.replica_id = ReplicaID(rid, DeploymentID(name="llm", app_name="conveyor"))
         self.routing_stats = stats
         self.max_ongoing_requests = 64
@@ -463,21 +512,27 @@ class FakeReplica:
 
 def _router(**kwargs) -> KVAwareRequestRouter:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-    router = KVAwareRequestRouter(deployment_id=DeploymentID(name="llm", app_name="conveyor"),
-                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+
+    router = KVAwareRequestRouter(
+        deployment_id=DeploymentID(name="llm", app_name="conveyor"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
     router.initialize_state(**kwargs)
     return router
 
 
 def test_kv_aware_request_router_smoke():
     router = _router(max_queue_imbalance=100)
+
     def es(free: int, running: int) -> dict:
         return EngineStats(num_running=running, kv_blocks_total=100, kv_blocks_free=free).to_dict()
 
     reps = [FakeReplica("r1", es(90, 0)), FakeReplica("r2", es(60, 3)), FakeReplica("r3", {})]
     hint = RoutingHint.from_token_ids(list(range(64)), 16)
-    pr = SimpleNamespace(args=["req"], kwargs={"routing_hint": hint},
-                         routing_context=SimpleNamespace(should_backoff=False))
+    pr = SimpleNamespace(
+        args=["req"], kwargs={"routing_hint": hint}, routing_context=SimpleNamespace(should_backoff=False)
+    )
     ranks = asyncio.run(router.choose_replicas(reps, pr))
     assert pr.routing_context.should_backoff
     assert all(len(r) == 1 for r in ranks) and ranks[0][0].replica_id.unique_id in {"r1", "r3"}
@@ -498,14 +553,22 @@ def test_kv_aware_request_router_smoke():
     async def route_to_small() -> None:
         router.update_replicas([reps[0], small])
         router.on_request_routed(pr, small.replica_id, None)
+
     asyncio.run(route_to_small())
     assert router.index.size("r4") == 3  # the index holds no more than the replica's cache
 
 
 # ---------------------------------------------------------------- autoscaling
 
-SCALE = KVScalingConfig(target_kv_utilization=0.5, tolerance=0.1, target_waiting_per_replica=4,
-                        upscale_delay_s=0.0, downscale_delay_s=10.0, min_replicas=1, max_replicas=6)
+SCALE = KVScalingConfig(
+    target_kv_utilization=0.5,
+    tolerance=0.1,
+    target_waiting_per_replica=4,
+    upscale_delay_s=0.0,
+    downscale_delay_s=10.0,
+    min_replicas=1,
+    max_replicas=6,
+)
 
 
 def test_autoscaling_up_down_hold():
@@ -593,12 +656,24 @@ def test_serve_config_yaml_builds_policy_and_router():
     def ctx(util: list[float], t: float, state: dict) -> AutoscalingContext:
         ids = [f"r{i}" for i in range(len(util))]
         return AutoscalingContext(
-            deployment_id=None, deployment_name="LLMReplica", app_name="conveyor",
-            current_num_replicas=len(ids), target_num_replicas=len(ids), running_replicas=ids,
-            total_num_requests=1.0, total_queued_requests=0.0,
+            deployment_id=None,
+            deployment_name="LLMReplica",
+            app_name="conveyor",
+            current_num_replicas=len(ids),
+            target_num_replicas=len(ids),
+            running_replicas=ids,
+            total_num_requests=1.0,
+            total_queued_requests=0.0,
             aggregated_metrics={"kv_demand": dict(zip(ids, util)), "num_waiting": dict.fromkeys(ids, 0.0)},
-            raw_metrics={}, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=state,
-            last_scale_up_time=None, last_scale_down_time=None, current_time=t, config=autoscaling)
+            raw_metrics={},
+            capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=4,
+            policy_state=state,
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=t,
+            config=autoscaling,
+        )
 
     wrapped = _apply_autoscaling_config(policy)  # Ray's own wrapper: bounds, factors, its (zero) delays
     n, state = wrapped(ctx([0.9, 0.9], 0.0, {}))

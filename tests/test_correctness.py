@@ -1,5 +1,6 @@
 """Greedy outputs must match transformers' generate token for token (float32), whatever the
 scheduling: chunked prefill, preemption, static batching, prefix-cache hits."""
+
 import pytest
 
 from tests.helpers import assert_no_leak, engine_greedy, hf_greedy, prompt_ids
@@ -17,6 +18,7 @@ def oracle() -> dict[str, tuple[list[list[int]], list[list[int]]]]:
             prompts = prompt_ids(model)
             cache[model] = prompts, hf_greedy(model, prompts, MAX_TOKENS)
         return cache[model]
+
     return get
 
 
@@ -38,13 +40,17 @@ def test_outputs_depend_on_context(oracle) -> None:
     assert sum(g != e for g, e in zip(got, expected[1:])) >= len(changed) - 1
 
 
-@pytest.mark.parametrize("options", [
-    {"max_num_batched_tokens": 7},
-    {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 5, "max_num_partial_prefills": 1},
-    {"max_num_batched_tokens": 64, "max_prefill_tokens_while_decoding": 7},
-    {"scheduling_policy": "static", "max_num_seqs": 2},
-    {"max_num_seqs": 1},
-], ids=["chunked", "long-prefill-cap", "prefill-cap-while-decoding", "static", "one-seq"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 5, "max_num_partial_prefills": 1},
+        {"max_num_batched_tokens": 64, "max_prefill_tokens_while_decoding": 7},
+        {"scheduling_policy": "static", "max_num_seqs": 2},
+        {"max_num_seqs": 1},
+    ],
+    ids=["chunked", "long-prefill-cap", "prefill-cap-while-decoding", "static", "one-seq"],
+)
 def test_scheduling_does_not_change_outputs(oracle, options: dict) -> None:
     prompts, expected = oracle("demo:qwen3-tiny")
     got, llm = engine_greedy("demo:qwen3-tiny", prompts, MAX_TOKENS, **options)
@@ -55,8 +61,16 @@ def test_scheduling_does_not_change_outputs(oracle, options: dict) -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_does_not_change_outputs(oracle, mode: str) -> None:
     prompts, expected = oracle("demo:llama-tiny")
-    got, llm = engine_greedy("demo:llama-tiny", prompts, MAX_TOKENS, num_blocks=20, block_size=8,
-                             preemption_mode=mode, swap_space=2 ** 20, enable_prefix_caching=False)
+    got, llm = engine_greedy(
+        "demo:llama-tiny",
+        prompts,
+        MAX_TOKENS,
+        num_blocks=20,
+        block_size=8,
+        preemption_mode=mode,
+        swap_space=2**20,
+        enable_prefix_caching=False,
+    )
     assert llm.engine.stats().num_preemptions > 0
     assert got == expected
     assert_no_leak(llm)
@@ -67,8 +81,7 @@ def test_prefix_cache_hits_do_not_change_outputs(oracle) -> None:
     shared = [prompts[3], prompts[3][:37], prompts[3] + prompts[1][1:]]
     reference = hf_greedy("demo:llama-tiny", shared, MAX_TOKENS)
     got, llm = engine_greedy("demo:llama-tiny", shared, MAX_TOKENS, block_size=8)
-    again = llm.generate([{"prompt_token_ids": p} for p in shared],
-                         llm_params(), use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in shared], llm_params(), use_tqdm=False)
     assert got == reference
     assert [o.outputs[0].token_ids for o in again] == reference
     stats = llm.engine.stats()
@@ -79,6 +92,7 @@ def test_prefix_cache_hits_do_not_change_outputs(oracle) -> None:
 
 def llm_params(max_tokens: int = MAX_TOKENS):
     from conveyor.engine import SamplingParams
+
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -95,12 +109,17 @@ def test_half_precision_matches_float32_up_to_near_ties(oracle, dtype: str) -> N
     TIE_MARGIN[dtype] of the top logit; what follows a flipped token is another context and is not compared."""
     import torch
     from transformers import AutoModelForCausalLM
+
     from conveyor.engine import LLM, SamplingParams
     from conveyor.engine.model_source import resolve_model
+
     prompts, expected = oracle("demo:llama-tiny")
     llm = LLM("demo:llama-tiny", dtype=dtype)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("demo:llama-tiny"), dtype=torch.float32)
     matched = []
     for prompt, want, out in zip(prompts, expected, outs):
@@ -113,8 +132,9 @@ def test_half_precision_matches_float32_up_to_near_ties(oracle, dtype: str) -> N
                 logits = hf(torch.tensor([prompt + want[:k]])).logits[0, -1]
             gap, top = float(logits[want[k]] - logits[got[k]]), float(logits.max())
             assert float(logits[want[k]]) == top, "the oracle is greedy"
-            assert 0 <= gap <= TIE_MARGIN[dtype] * abs(top), \
+            assert 0 <= gap <= TIE_MARGIN[dtype] * abs(top), (
                 f"token {k}: {got[k]} instead of {want[k]}, float32 gap {gap:.4f} of top logit {top:.3f}"
+            )
     print(f"{dtype}: tokens equal to float32 before the first near-tie: {matched} of {MAX_TOKENS}")
     assert_no_leak(llm)
 

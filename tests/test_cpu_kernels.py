@@ -1,5 +1,6 @@
 """The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) against the pure-torch reference and the eager layers, on
 every ISA build (kernels/cpu_ops.py's ISAS): an ISA this CPU cannot run is skipped naming the CPU flags it lacks."""
+
 import logging
 import time
 from pathlib import Path
@@ -41,10 +42,13 @@ def lib(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Modu
 
 
 @DTYPES
-@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim", [(16, 12, 4, 64), (32, 4, 2, 64), (8, 9, 3, 64),
-                                                                 (16, 8, 8, 128), (4, 4, 1, 32)])
-def test_paged_attention_mixed_step_matches_reference(lib: ModuleType, dtype: torch.dtype, block_size: int,
-                                                      heads: int, kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize(
+    "block_size,heads,kv_heads,head_dim",
+    [(16, 12, 4, 64), (32, 4, 2, 64), (8, 9, 3, 64), (16, 8, 8, 128), (4, 4, 1, 32)],
+)
+def test_paged_attention_mixed_step_matches_reference(
+    lib: ModuleType, dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
     g = torch.Generator().manual_seed(block_size * heads + head_dim)
     num_blocks, width = 96, 24
     want_k, want_v = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in "kv")
@@ -57,20 +61,25 @@ def test_paged_attention_mixed_step_matches_reference(lib: ModuleType, dtype: to
     qsl[1:] = torch.cumsum(q_lens, 0)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in q_lens]).to(torch.int32)
     q = torch.randn(int(qsl[-1]), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)[:, :heads]  # as in qkv
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
     f = lambda t: t.float()  # noqa: E731
-    want = torch.cat((
-        reference.paged_decode_attention(f(q[:4]), f(want_k), f(want_v), tables[:4], seq_lens[:4], scale),
-        reference.paged_prefill_attention(f(q[4:]), f(want_k), f(want_v), tables[4:], seq_lens[4:],
-                                          qsl[4:] - qsl[4], 30, scale)))
+    want = torch.cat(
+        (
+            reference.paged_decode_attention(f(q[:4]), f(want_k), f(want_v), tables[:4], seq_lens[:4], scale),
+            reference.paged_prefill_attention(
+                f(q[4:]), f(want_k), f(want_v), tables[4:], seq_lens[4:], qsl[4:] - qsl[4], 30, scale
+            ),
+        )
+    )
     assert got.dtype == dtype
     assert (got.float() - want).abs().max() <= TOL[dtype] * max(1.0, want.abs().max())
 
 
 @DTYPES
-def test_store_kv_cache_is_the_reference_in_its_own_layout_and_skips_padding(lib: ModuleType,
-                                                                            dtype: torch.dtype) -> None:
+def test_store_kv_cache_is_the_reference_in_its_own_layout_and_skips_padding(
+    lib: ModuleType, dtype: torch.dtype
+) -> None:
     g = torch.Generator().manual_seed(1)
     caches = [torch.zeros(8, 16, 2, 64, dtype=dtype) for _ in range(4)]
     kv = torch.randn(10, 4, 64, generator=g).to(dtype)  # strided rows, as a slice of a fused qkv
@@ -97,14 +106,16 @@ def test_fused_elementwise_ops_match_the_eager_layers(lib: ModuleType, dtype: to
     assert torch.equal(fused(x), eager(x)) if exact else torch.allclose(fused(x), eager(x), rtol=1e-6, atol=1e-6)
     gate_up = torch.randn(5, 2 * 768, generator=g).to(dtype)
     gate, up = gate_up.chunk(2, -1)
-    assert torch.allclose(lib.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=1e-2 if exact else 1e-6,
-                          atol=1e-6)
+    assert torch.allclose(
+        lib.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=1e-2 if exact else 1e-6, atol=1e-6
+    )
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     rope = RotaryEmbedding(config, 64, 512)
     qkv = torch.randn(6, 8 * 64, generator=g).to(dtype)
     positions = torch.tensor([0, 5, 100, 7, 300, 2])
-    want_q, want_k = apply_rotary(qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64),
-                                  *rope(positions, dtype))
+    want_q, want_k = apply_rotary(
+        qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64), *rope(positions, dtype)
+    )
     got_q, got_k = qkv[:, :256].view(-1, 4, 64), qkv[:, 256:384].view(-1, 2, 64)
     lib.rotary_embedding_(positions, got_q, got_k, rope.cos, rope.sin)  # in place on the strided views
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
@@ -129,11 +140,13 @@ def test_packed_small_batch_matmul_is_as_close_to_float64_as_torch_linear(lib: M
 
 
 def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only_and_release_the_plain_weight(
-        lib: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from types import SimpleNamespace
 
     from conveyor.engine.layers import linear
     from conveyor.engine.layers.linear import SMALL_ROWS, ColumnParallelLinear, pack_weights
+
     monkeypatch.setattr(linear, "PLAIN_MARGIN", float("inf"))  # oneDNN above SMALL_ROWS, whatever the timing
     layer = ColumnParallelLinear(64, 96)
     layer.weight.data.normal_()
@@ -144,7 +157,9 @@ def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only_and_release_t
         def run(*args):
             calls.append((name, args[0].shape[0]))
             return getattr(lib, name)(*args)
+
         return run
+
     pack_weights(layer, SimpleNamespace(gemm_packed=counted("gemm_packed"), pack_gemm=lib.pack_gemm))
     assert layer.packed.tensor is not None and layer.weight.numel() == 0  # both packed layouts serve every row
     for rows in (1, 2, SMALL_ROWS, SMALL_ROWS + 1, 64):
@@ -157,6 +172,7 @@ def test_engine_linears_take_the_cpp_kernels_up_to_small_rows_only_and_release_t
 def test_a_tied_lm_head_keeps_the_embedding_it_shares(lib: ModuleType) -> None:
     from conveyor.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from conveyor.engine.layers.linear import pack_weights
+
     model = nn.Module()
     model.embed, model.head = VocabParallelEmbedding(100, 64), ParallelLMHead(100, 64)
     model.embed.weight.data.normal_()
@@ -174,12 +190,14 @@ def test_bfloat16_rounding_is_torchs_bit_for_bit(lib: ModuleType) -> None:
     g = torch.Generator().manual_seed(3)
     scales = torch.tensor([1e-38, 1e-30, 1e-5, 1.0, 3e4, 1e30, 1e38])
     random = (torch.randn(len(scales), 4000, generator=g) * scales[:, None]).flatten()
-    bits = torch.randint(0, 2 ** 16, (4000,), generator=g, dtype=torch.int32) << 16
+    bits = torch.randint(0, 2**16, (4000,), generator=g, dtype=torch.int32) << 16
     ties = torch.cat([bits | 0x8000, bits | 0x18000, bits | 0x7FFF, bits | 0x8001])  # halfway, both parities
     ties = ties[~ties.view(torch.float32).isnan()]  # exponent all ones: NaN and inf come below
     subnormal = torch.randint(1, 0x800000, (4000,), generator=g, dtype=torch.int32)
-    special = torch.tensor([0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00800000, 0x007FFFFF, 0x007F8000, 0x00008000,
-                            0, 0x7F800000], dtype=torch.int32)  # max, ties at the top, min normal, zero, inf
+    special = torch.tensor(
+        [0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00800000, 0x007FFFFF, 0x007F8000, 0x00008000, 0, 0x7F800000],
+        dtype=torch.int32,
+    )  # max, ties at the top, min normal, zero, inf
     x = torch.cat([random, ties.view(torch.float32), subnormal.view(torch.float32), special.view(torch.float32)])
     x = torch.cat([x, -x, x[:37]])  # signs, and a length that ends in a partial vector
     got, want = lib.to_bfloat16(x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16)
@@ -199,22 +217,30 @@ def test_every_isa_computes_the_bits_of_the_generic_build(lib: ModuleType) -> No
     for dtype in (torch.float32, torch.bfloat16):
         w, x = torch.randn(200, 333, generator=g).to(dtype), torch.randn(19, 333, generator=g).to(dtype)
         bias = torch.randn(200, generator=g).to(dtype)
-        assert torch.equal(lib.gemm_packed(x, lib.pack_gemm(w), 200, bias),
-                           generic.gemm_packed(x, generic.pack_gemm(w), 200, bias))
+        assert torch.equal(
+            lib.gemm_packed(x, lib.pack_gemm(w), 200, bias), generic.gemm_packed(x, generic.pack_gemm(w), 200, bias)
+        )
         gate_up = torch.randn(5, 2 * 96, generator=g).to(dtype)
         assert torch.equal(lib.silu_and_mul(gate_up), generic.silu_and_mul(gate_up))
         caches = [torch.randn(20, 16, 2, 64, generator=g).to(dtype) for _ in "kv"]
         q = torch.randn(7, 6, 64, generator=g).to(dtype)
-        args = (caches[0], caches[1], torch.randperm(20, generator=g)[None, :20].to(torch.int32),
-                torch.tensor([300], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32), 0.125)
+        args = (
+            caches[0],
+            caches[1],
+            torch.randperm(20, generator=g)[None, :20].to(torch.int32),
+            torch.tensor([300], dtype=torch.int32),
+            torch.tensor([0, 7], dtype=torch.int32),
+            0.125,
+        )
         outs = [torch.empty_like(q) for _ in range(2)]
         lib.paged_attention(outs[0], q, *args)
         generic.paged_attention(outs[1], q, *args)
         assert torch.equal(outs[0], outs[1])
 
 
-def test_load_takes_the_best_isa_the_cpu_runs_or_the_one_named(monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_load_takes_the_best_isa_the_cpu_runs_or_the_one_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(cpu_ops, "_is_x86", lambda: True)
     monkeypatch.setattr(cpu_ops, "_cpu_flags", lambda: {"sse2", "avx", "avx2", "fma", "f16c"})  # AMD EPYC Zen 2
     assert cpu_ops.supported_isas() == ["avx2", "generic"]
@@ -246,6 +272,7 @@ def test_each_isa_is_its_own_module_named_by_isa_and_digest() -> None:
 
 def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:
     from conveyor.engine.config import EngineConfig
+
     assert EngineConfig(model="demo:tiny", dtype="float32").attention_backend == "cpu"
     assert EngineConfig(model="demo:tiny", dtype="bfloat16").attention_backend == "cpu"
     assert EngineConfig(model="demo:tiny", dtype="float16").attention_backend == "torch"
@@ -258,13 +285,15 @@ def test_kernels_run_on_every_torch_thread_and_bind_one_per_core(tmp_path: Path)
     import os
     import subprocess
     import sys
+
     cpus = sorted(os.sched_getaffinity(0))[:2]
     if len(cpus) < 2:
         pytest.skip("needs two cpus")
-    code = (f"import os, torch; torch.set_num_threads(2); from conveyor.kernels import cpu_ops; "
-            f"print(cpu_ops.bind_threads({cpus}), sorted(os.sched_getaffinity(0)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=tmp_path).stdout
+    code = (
+        f"import os, torch; torch.set_num_threads(2); from conveyor.kernels import cpu_ops; "
+        f"print(cpu_ops.bind_threads({cpus}), sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert out.strip().splitlines()[-1] == f"{cpus} [{cpus[0]}]"
 
 
@@ -274,16 +303,18 @@ def test_a_second_engine_in_the_process_binds_threads_to_distinct_cpus(tmp_path:
     import os
     import subprocess
     import sys
+
     cpus = sorted(os.sched_getaffinity(0))[:2]
     if len(cpus) < 2:
         pytest.skip("needs two cpus")
-    code = ("import os, torch; torch.set_num_threads(2); from conveyor.engine import LLM\n"
-            "for _ in range(2):\n"
-            "    LLM('demo:tiny', dtype='float32', cpu_threads_bind='auto')\n"
-            "    pinned = [os.sched_getaffinity(int(t)) for t in os.listdir('/proc/self/task')]\n"
-            "    print(sorted(set().union(*(a for a in pinned if len(a) == 1))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=tmp_path).stdout
+    code = (
+        "import os, torch; torch.set_num_threads(2); from conveyor.engine import LLM\n"
+        "for _ in range(2):\n"
+        "    LLM('demo:tiny', dtype='float32', cpu_threads_bind='auto')\n"
+        "    pinned = [os.sched_getaffinity(int(t)) for t in os.listdir('/proc/self/task')]\n"
+        "    print(sorted(set().union(*(a for a in pinned if len(a) == 1))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert out.strip().splitlines()[-2:] == [str(cpus)] * 2
 
 
@@ -292,6 +323,7 @@ def test_prefill_steps_padded_to_bounded_row_counts_give_the_same_tokens() -> No
     the padding rows store no K/V, reach no sampler and change no real row's tokens."""
     from conveyor.engine import LLM, SamplingParams
     from conveyor.engine.layers.linear import padded_rows
+
     assert all(padded_rows(n) == n for n in range(1, 33))
     assert all(0 <= padded_rows(n) - n < max(16, n / 8) for n in range(33, 4097))
     assert [padded_rows(n) for n in (32, 33, 49, 100, 257, 1000, 2048)] == [32, 48, 64, 112, 288, 1024, 2048]
@@ -304,6 +336,7 @@ def test_prefill_steps_padded_to_bounded_row_counts_give_the_same_tokens() -> No
     def counted(input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         rows.append(input_ids.shape[0])
         return forward(input_ids, *args, **kwargs)
+
     runner.model.forward = counted
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (37, 50)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -320,6 +353,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     """A build killed midway leaves torch's lock file; the next build would wait on it for ever."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     from torch.utils.cpp_extension import _get_build_directory
+
     lock = Path(_get_build_directory("conveyor_lock_test", False)) / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()

@@ -16,10 +16,18 @@ from conveyor.engine import demo
 from conveyor.engine.demo import make_model, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = {"config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
-         "tokenizer.json", "tokenizer_config.json"}
-TEXT = ("import os\nimport sys\n\ndef main(argv: list[str]) -> int:\n    parser = argparse.ArgumentParser()\n"
-        "    for name in sorted(os.listdir('.')):\n        print(name, len(name))\n    return 0\n")
+FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+TEXT = (
+    "import os\nimport sys\n\ndef main(argv: list[str]) -> int:\n    parser = argparse.ArgumentParser()\n"
+    "    for name in sorted(os.listdir('.')):\n        print(name, len(name))\n    return 0\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,10 @@ def test_tokenizer_training_deterministic(cache: Path) -> None:
     assert list((cache / "tokenizer").glob("*.json"))
 
 
-@pytest.mark.parametrize("kw", [dict(arch="llama"), dict(arch="qwen2", tied=True, dtype="float16"),
-                                dict(arch="qwen3", dtype="bfloat16", seed=3)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(arch="llama"), dict(arch="qwen2", tied=True, dtype="float16"), dict(arch="qwen3", dtype="bfloat16", seed=3)],
+)
 def test_rerun_byte_identical(cache: Path, tmp_path: Path, kw: dict) -> None:
     a, b = read_all(make_model(tmp_path / "a", **kw)), read_all(make_model(tmp_path / "b", **kw))
     assert set(a) == FILES and a == b
@@ -91,8 +101,14 @@ def test_transformers_loads(models: dict, arch: str, tied: bool) -> None:
     assert not torch.allclose(model.model.norm.weight, torch.ones(256))
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["max_position_embeddings"] == 2048 and cfg["rope_theta"] == 10000.0 and cfg["rms_norm_eps"] == 1e-6
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["head_dim"]) == (256, 4, 4, 2, 768, 64)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["head_dim"],
+    ) == (256, 4, 4, 2, 768, 64)
     if arch != "llama":
         assert cfg["sliding_window"] is None and cfg.get("use_sliding_window", False) is False
     with torch.no_grad():
@@ -116,24 +132,25 @@ def test_transformers_tokenizer(models: dict) -> None:
 
 
 def greedy(model: AutoModelForCausalLM, ids: torch.Tensor, n: int = 10) -> list[list[int]]:
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=3)
-    return out[:, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=3
+    )
+    return out[:, ids.shape[1] :].tolist()
 
 
 def changed_early(model: AutoModelForCausalLM, ids: torch.Tensor, n: int = 10) -> tuple[list[list[int]], int]:
     alt = ids.clone()
     alt[:, 1] = (alt[:, 1] + 1000) % 8188 + 4
     out = greedy(model, torch.cat([ids, alt]), n)
-    base = out[:len(ids)]
-    return base, sum(a != b for a, b in zip(base, out[len(ids):]))
+    base = out[: len(ids)]
+    return base, sum(a != b for a, b in zip(base, out[len(ids) :]))
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("mistral", True), ("qwen2", False), ("qwen3", True)])
 def test_greedy_depends_on_context(models: dict, arch: str, tied: bool) -> None:
     tok = AutoTokenizer.from_pretrained(models[(arch, tied)], local_files_only=True)
     text = tok(demo.corpus_files()[0].read_text(), add_special_tokens=False).input_ids
-    ids = torch.tensor([[1] + text[k:k + 19] for k in range(100, 600, 100)])
+    ids = torch.tensor([[1] + text[k : k + 19] for k in range(100, 600, 100)])
     outs, changed = changed_early(load(models[(arch, tied)]), ids)
     assert changed >= 4 and len({tuple(o) for o in outs}) == len(outs)
     assert all(len(set(o)) >= 3 for o in outs)
@@ -142,8 +159,13 @@ def test_greedy_depends_on_context(models: dict, arch: str, tied: bool) -> None:
 def test_small(cache: Path, tmp_path: Path) -> None:
     path = make_model(tmp_path / "small", size="small", dtype="bfloat16")
     cfg = json.loads((path / "config.json").read_text())
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["intermediate_size"]) == (768, 12, 12, 4, 2048)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+    ) == (768, 12, 12, 4, 2048)
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     model = load(path)
     assert model.dtype == torch.bfloat16
@@ -174,8 +196,15 @@ def test_resolve_model(cache: Path, tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="nowhere"):
         resolve_model(str(tmp_path / "nowhere"))
-    for bad in ["demo:gpt2-tiny", "demo:llama-huge", "demo:", "demo:tiny-tied-tied", "demo:tiny-bf16-fp16",
-                "demo:llama-tiny-x", "demo:qwen3"]:
+    for bad in [
+        "demo:gpt2-tiny",
+        "demo:llama-huge",
+        "demo:",
+        "demo:tiny-tied-tied",
+        "demo:tiny-bf16-fp16",
+        "demo:llama-tiny-x",
+        "demo:qwen3",
+    ]:
         with pytest.raises(ValueError, match="demo:tiny, demo:small"):
             resolve_model(bad)
 

@@ -38,10 +38,12 @@ def test_deferred_decode_equals_the_streamed_text() -> None:
     """Offline generate decodes once at the end; it must give the text streaming builds token by token,
     also for random ids (byte pieces, special tokens) and with or without skip_special_tokens."""
     import random
+
     tok = AutoTokenizer.from_pretrained(resolve_model("demo:tiny"))
     rng = random.Random(0)
     cases = [tok(TEXT, add_special_tokens=False).input_ids] + [
-        [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))] for _ in range(40)]
+        [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))] for _ in range(40)
+    ]
     for skip in (True, False):
         params = SamplingParams(skip_special_tokens=skip)
         for ids in cases:

@@ -1,5 +1,6 @@
 """A client that goes away, at every stage a request can be in, for streaming and whole responses: the request
 is aborted (or never reaches the engine) and its KV blocks come back. Every wait polls the replica's stats."""
+
 import json
 import random
 import socket
@@ -23,8 +24,10 @@ def send(app: App, prompt: list[int], max_tokens: int, stream: bool) -> socket.s
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}).encode()
     s = socket.create_connection(("127.0.0.1", int(app.url.rsplit(":", 1)[1])), timeout=30)
     auth = app.headers["Authorization"].encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Authorization: %s\r\nContent-Length: %d\r\n\r\n%s" % (auth, len(body), body))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Authorization: %s\r\nContent-Length: %d\r\n\r\n%s" % (auth, len(body), body)
+    )
     return s
 
 
@@ -42,6 +45,7 @@ def until(app: App, cond: Any, what: str, timeout: float = 30.0) -> dict[str, An
     def probe() -> dict[str, Any] | None:
         s = app.stats()
         return s if cond(s) else None
+
     stats = wait_for(probe, timeout)
     assert stats, f"never {what}: {app.stats()}"
     return stats
@@ -54,13 +58,15 @@ def test_disconnect_aborts_and_frees(conveyor_app: App, stage: str, stream: bool
     base = app.pool_whole()
     blocker = None
     if stage == "admission":  # once the blocker holds 13 of the 48 blocks, the target's 31 cannot fit below the
-        for _ in range(3):    # 0.9 watermark, however admission estimates the outputs
+        for _ in range(3):  # 0.9 watermark, however admission estimates the outputs
             blocker = send(app, ids(16), 490, True)
             until(app, lambda s: s["num_decode_tokens"] >= base["num_decode_tokens"] + 200, "decoded 200 tokens")
             target = send(app, ids(480), 16, stream)
             assert wait_for(lambda: app.admission_queued() == 1, 30), "the target was not queued by admission"
             drop(target)
-            assert wait_for(lambda: app.admission_queued() == 0, 30), "the dropped request stayed in the admission queue"
+            assert wait_for(lambda: app.admission_queued() == 0, 30), (
+                "the dropped request stayed in the admission queue"
+            )
             if completed(app.stats()) == completed(base):
                 break  # the blocker was still decoding: the target left while queued
             # the blocker (~1 s of decoding) finished first, so the target was admitted before it left: once in
@@ -76,8 +82,11 @@ def test_disconnect_aborts_and_frees(conveyor_app: App, stage: str, stream: bool
         until(app, lambda s: s["num_waiting"] == 1, "queued the target in the engine")
     elif stage == "prefill":  # 480 prompt tokens in 8-token chunks
         target = send(app, ids(480), 16, stream)
-        until(app, lambda s: s["num_running"] == 1 and s["num_prefill_tokens"] > base["num_prefill_tokens"],
-              "started the prefill")
+        until(
+            app,
+            lambda s: s["num_running"] == 1 and s["num_prefill_tokens"] > base["num_prefill_tokens"],
+            "started the prefill",
+        )
     else:
         target = send(app, ids(16), 400, stream)
         until(app, lambda s: s["num_decode_tokens"] > base["num_decode_tokens"] + 4, "decoded")

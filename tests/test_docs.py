@@ -1,6 +1,7 @@
 """The documentation stays true to the repository: every relative link in README.md and docs/**/*.md reaches an
 existing file (and its `#anchor` a heading there, by GitHub's slug rules), docs/configuration.md is exactly what
 deployments.config_docs renders from the code, and README.md stays short."""
+
 import re
 import unicodedata
 from pathlib import Path
@@ -50,8 +51,7 @@ def relative_links(path: Path) -> list[str]:
 
 def test_the_documents_exist() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in DOCS}
-    assert {"README.md", "docs/design.md", "docs/configuration.md", "docs/operations.md",
-            "docs/benchmarks.md"} <= names
+    assert {"README.md", "docs/design.md", "docs/configuration.md", "docs/operations.md", "docs/benchmarks.md"} <= names
     assert any(n.startswith("docs/decisions/") for n in names)
 
 
@@ -82,6 +82,7 @@ def test_slugs_follow_github() -> None:
 
 def test_configuration_page_is_generated() -> None:
     from conveyor.deployments.config_docs import COMMAND, render
+
     expected = render()
     actual = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert actual == expected, f"docs/configuration.md is out of date: run `{COMMAND}`"

@@ -1,6 +1,7 @@
 """The engine core in its own process: same tokens as in process (and as transformers), stop strings found
 on the front end, KV events, a crash fails in-flight requests instead of hanging; a model step that raises
 fails its requests only (both modes); stream_interval batching."""
+
 import asyncio
 import os
 import signal
@@ -120,8 +121,9 @@ def test_core_process_stop_strings_n_and_logprobs_like_in_process(llm_mp: LLM) -
     want = local.generate(prompts, params, use_tqdm=False)
     got = llm_mp.generate(prompts, params, use_tqdm=False)
     for w, g in zip(want, got):
-        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs] == \
-               [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs]
+        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs] == [
+            (c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs
+        ]
     for w, g in zip(want[:3], got[:3]):
         assert g.outputs[0].finish_reason == "stop" and len(g.outputs[0].logprobs) == len(g.outputs[0].token_ids)
         assert [sorted(d) for d in g.outputs[0].logprobs] == [sorted(d) for d in w.outputs[0].logprobs]
@@ -147,6 +149,7 @@ def test_core_crash_fails_inflight_requests_and_health() -> None:
             async for _ in engine.generate([1] + [40] * 20, SamplingParams(max_tokens=500, ignore_eos=True)):
                 n += 1
             return n
+
         task = asyncio.create_task(consume())
         for _ in range(1000):
             if engine.stats().num_running or task.done():
@@ -178,8 +181,7 @@ def test_stream_interval_batches_tokens_first_token_at_once(interval: int) -> No
 
     async def main() -> list[int]:
         sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        return [len(o.outputs[0].token_ids) async for o in
-                engine.generate([1, 5, 6, 7], sp, stream_interval=interval)]
+        return [len(o.outputs[0].token_ids) async for o in engine.generate([1, 5, 6, 7], sp, stream_interval=interval)]
 
     try:
         counts = asyncio.run(main())
@@ -202,14 +204,15 @@ def test_a_model_step_that_raises_fails_its_requests_and_the_loop_goes_on(faulty
     prompts = prompt_ids(MODEL)[:2]
     want = hf_greedy(MODEL, prompts, 8)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = faulty.generate([{"prompt_token_ids": p} for p in (prompts[0], MARK + [5, 6], prompts[1])], params,
-                           use_tqdm=False)
+    outs = faulty.generate(
+        [{"prompt_token_ids": p} for p in (prompts[0], MARK + [5, 6], prompts[1])], params, use_tqdm=False
+    )
     got = [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs]
     assert got[1] == ("error", []) and "injected model fault" in outs[1].outputs[0].stop_reason
     if faulty.engine.in_process:
         assert got == [("error", [])] * 3
     for (reason, tokens), w in zip(got[::2], want):
-        assert reason == "error" and tokens == w[:len(tokens)] or (reason, tokens) == ("length", w)
+        assert reason == "error" and tokens == w[: len(tokens)] or (reason, tokens) == ("length", w)
     again = faulty.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == want
     assert _until_idle(faulty) if not faulty.engine.in_process else faulty.engine.stats().kv_blocks_free == 64
@@ -218,8 +221,10 @@ def test_a_model_step_that_raises_fails_its_requests_and_the_loop_goes_on(faulty
 def test_a_faulted_stream_raises_to_its_caller_others_finish(faulty: LLM) -> None:
     """Through AsyncEngine: a stream already running when the fault hits fails with RequestFailed, as does the
     marked one; a request after them completes; the engine stays healthy."""
-    engine = AsyncEngine(EngineConfig(model=MODEL, num_blocks=64, model_runner_cls=RUNNER),
-                         engine_core_process=not faulty.engine.in_process)
+    engine = AsyncEngine(
+        EngineConfig(model=MODEL, num_blocks=64, model_runner_cls=RUNNER),
+        engine_core_process=not faulty.engine.in_process,
+    )
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def consume(ids: list[int], sp: SamplingParams) -> list[int]:

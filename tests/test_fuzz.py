@@ -1,6 +1,7 @@
 """Schemathesis against the router's own OpenAPI schema, over real HTTP: bounded examples per operation, a
 client timeout on every call, no 5xx, every error in the OpenAI shape, and the pool whole afterwards.
 (Driven through hypothesis directly: schemathesis' pytest loader does not run under pytest 9.)"""
+
 import time
 from collections import Counter
 from typing import Any
@@ -34,11 +35,21 @@ def test_no_server_errors(conveyor_app: App) -> None:
     assert {op.label for op in operations} == OPERATIONS
     statuses: Counter[tuple[str, int]] = Counter()
     start = time.perf_counter()
-    runs = [(op, mode) for op in operations for mode in schemathesis.GenerationMode
-            if mode == schemathesis.GenerationMode.POSITIVE or op.method.upper() == "POST"]
+    runs = [
+        (op, mode)
+        for op in operations
+        for mode in schemathesis.GenerationMode
+        if mode == schemathesis.GenerationMode.POSITIVE or op.method.upper() == "POST"
+    ]
     for op, mode in runs:
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=op.as_strategy(mode).map(bounded))
         def run(case: Any) -> None:
             r = case.call(base_url=conveyor_app.url, headers=conveyor_app.headers, timeout=CALL_TIMEOUT_S)
@@ -47,6 +58,7 @@ def test_no_server_errors(conveyor_app: App) -> None:
             if r.status_code >= 400:
                 err = r.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text[:500]
+
         run()
     print(f"fuzzed {sum(statuses.values())} calls in {time.perf_counter() - start:.1f}s: {dict(statuses)}")
     assert sum(n for (label, _), n in statuses.items() if label.endswith("negative")) >= MAX_EXAMPLES

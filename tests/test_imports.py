@@ -1,6 +1,7 @@
 """The package's import graph: only `conveyor` is installed, and module-level imports form no cycle (a cycle
 makes import order matter and hides which module is the lower layer). Imports inside functions are lazy by
 intent and not counted; `engine/` imports nothing of cluster/ or deployments/ (DESIGN.md)."""
+
 import ast
 import importlib.util
 import subprocess
@@ -10,8 +11,13 @@ from pathlib import Path
 import conveyor
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"conveyor": ROOT / "conveyor", "conveyor.engine": ROOT / "engine", "conveyor.kernels": ROOT / "kernels",
-            "conveyor.cluster": ROOT / "cluster", "conveyor.deployments": ROOT / "deployments"}
+PACKAGES = {
+    "conveyor": ROOT / "conveyor",
+    "conveyor.engine": ROOT / "engine",
+    "conveyor.kernels": ROOT / "kernels",
+    "conveyor.cluster": ROOT / "cluster",
+    "conveyor.deployments": ROOT / "deployments",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -35,8 +41,11 @@ def module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
             if isinstance(sub, ast.Import):
                 targets = [a.name for a in sub.names]
             elif isinstance(sub, ast.ImportFrom):
-                base = importlib.util.resolve_name("." * sub.level + (sub.module or ""), package) if sub.level \
+                base = (
+                    importlib.util.resolve_name("." * sub.level + (sub.module or ""), package)
+                    if sub.level
                     else sub.module or ""
+                )
                 targets = [f"{base}.{a.name}" for a in sub.names] + [base]
             else:
                 continue
@@ -62,7 +71,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -78,9 +87,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_only_conveyor_is_installed(tmp_path: Path) -> None:
     """Outside the checkout (a user's process) the project's only top-level name is conveyor: no other name
     resolves to one of the checkout's folders (`kernels` may resolve to Hugging Face's distribution)."""
-    code = ("import importlib.util as u, conveyor.engine, conveyor.kernels; "
-            "print([n for n in ('engine', 'kernels', 'cluster', 'deployments', 'benchmarks', 'tests') "
-            f"if (s := u.find_spec(n)) and str(s.origin).startswith({str(ROOT) + '/' !r} + n + '/')])")
+    code = (
+        "import importlib.util as u, conveyor.engine, conveyor.kernels; "
+        "print([n for n in ('engine', 'kernels', 'cluster', 'deployments', 'benchmarks', 'tests') "
+        f"if (s := u.find_spec(n)) and str(s.origin).startswith({str(ROOT) + '/'!r} + n + '/')])"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert Path(conveyor.__file__).resolve().parent == ROOT / "conveyor"

@@ -1,5 +1,6 @@
 """engine/invariants.py: the debug mode passes real workloads (preemption in both modes, prefix-cache hits)
 and catches each kind of corruption of the block pool, the tables, the swap slots and the persistent batch."""
+
 import pytest
 
 from conveyor.engine import LLM, SamplingParams
@@ -23,8 +24,15 @@ def step(sched: Scheduler, token: int = 20) -> None:
 
 def busy_scheduler(mode: str = "recompute", swap_blocks: int = 0) -> Scheduler:
     """Three requests sharing a 2-block prefix on a 12-block cache, stepped until one is preempted."""
-    cfg = EngineConfig(model="demo:tiny", block_size=4, max_model_len=256, preemption_mode=mode,
-                       hf_config=BASE.hf_config, model_path=BASE.model_path, check_invariants=True)
+    cfg = EngineConfig(
+        model="demo:tiny",
+        block_size=4,
+        max_model_len=256,
+        preemption_mode=mode,
+        hf_config=BASE.hf_config,
+        model_path=BASE.model_path,
+        check_invariants=True,
+    )
     sched = Scheduler(cfg, BlockManager(12, 4, True, swap_blocks), {EOS})
     shared = list(range(10, 18))
     for i in range(3):
@@ -44,8 +52,16 @@ def test_flag_defaults_off_and_the_suite_turns_it_on(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_workload_with_preemption_and_cache_hits_passes(mode: str) -> None:
-    llm = LLM("demo:llama-tiny", dtype="float32", num_blocks=14, block_size=4, max_num_seqs=4,
-              preemption_mode=mode, swap_space=2 ** 20, check_invariants=True)
+    llm = LLM(
+        "demo:llama-tiny",
+        dtype="float32",
+        num_blocks=14,
+        block_size=4,
+        max_num_seqs=4,
+        preemption_mode=mode,
+        swap_space=2**20,
+        check_invariants=True,
+    )
     assert llm.engine.scheduler.runner_batch is llm.engine.executor.runner.batch
     shared = list(range(100, 112))
     prompts = [{"prompt_token_ids": shared + [200 + i] * (3 + i)} for i in range(4)]

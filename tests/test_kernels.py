@@ -1,4 +1,5 @@
 """Triton paged-attention kernels against the pure-torch reference (interpreter on CPU)."""
+
 import os
 
 import pytest
@@ -7,27 +8,33 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conveyor.kernels import attention_ops, reference  # noqa: E402
-from conveyor.kernels import triton_ops  # noqa: E402
+from conveyor.kernels import (  # noqa: E402
+    attention_ops,
+    reference,
+    triton_ops,  # noqa: E402
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Oracle is the reference in fp32 on the same rounded inputs; the slack is the kernel's own
 # low-precision P@V operand and output rounding (about 2 ulp of the dtype).
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
 
 
-def make_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def make_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     v = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     return k, v
 
 
-def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
-                      gen: torch.Generator) -> torch.Tensor:
+def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
     """Shuffled, non-contiguous block ids; unused entries hold other valid ids; rows are strided."""
     max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
     ids = torch.randperm(num_blocks, generator=gen)
@@ -37,7 +44,7 @@ def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
     start = 0
     for row, n in enumerate(seq_lens):
         nb = -(-n // block_size)
-        wide[row, :nb] = ids[start:start + nb]
+        wide[row, :nb] = ids[start : start + nb]
         start += nb
     return wide.to(torch.int32).to(DEVICE)[:, :max_blocks]
 
@@ -77,8 +84,9 @@ def test_store_kv_cache_casts_to_cache_dtype_from_strided_rows() -> None:
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
-def run_decode(dtype: torch.dtype, gqa: int, block_size: int, seq_lens: list[int],
-               head_dim: int = 32, num_kv_heads: int = 2, **kw) -> None:
+def run_decode(
+    dtype: torch.dtype, gqa: int, block_size: int, seq_lens: list[int], head_dim: int = 32, num_kv_heads: int = 2, **kw
+) -> None:
     gen = torch.Generator().manual_seed(gqa * 100 + block_size + len(seq_lens))
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
@@ -87,7 +95,7 @@ def run_decode(dtype: torch.dtype, gqa: int, block_size: int, seq_lens: list[int
     num_heads = num_kv_heads * gqa
     qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
     q = qkv.to(dtype).to(DEVICE)[:, :num_heads]
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, **kw)
     want = fp32_reference(reference.paged_decode_attention, q, k_cache, v_cache, block_tables, lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
@@ -112,8 +120,15 @@ def test_decode_split_request_beyond_tiles_and_max_seq_len_hint() -> None:
     run_decode(torch.float32, 2, 16, [5, 1, 40], num_splits=16, max_seq_len=64)
 
 
-def run_prefill(dtype: torch.dtype, gqa: int, block_size: int, q_lens: list[int], ctx_lens: list[int],
-                head_dim: int = 32, num_kv_heads: int = 2) -> None:
+def run_prefill(
+    dtype: torch.dtype,
+    gqa: int,
+    block_size: int,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    head_dim: int = 32,
+    num_kv_heads: int = 2,
+) -> None:
     gen = torch.Generator().manual_seed(gqa * 1000 + block_size + sum(q_lens))
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
@@ -124,7 +139,7 @@ def run_prefill(dtype: torch.dtype, gqa: int, block_size: int, q_lens: list[int]
     num_heads = num_kv_heads * gqa
     qkv = torch.randn(sum(q_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
     q = qkv.to(dtype).to(DEVICE)[:, :num_heads]
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     args = (block_tables, lens, qsl, max(q_lens), scale)
     out = triton_ops.paged_prefill_attention(q, k_cache, v_cache, *args)
     want = fp32_reference(reference.paged_prefill_attention, q, k_cache, v_cache, *args)
@@ -151,15 +166,34 @@ def test_prefill_of_whole_prompt_equals_chunked_prefill_then_decode() -> None:
     block_tables = make_block_tables([n], block_size, 4, gen)
     q = torch.randn(n, h, d, generator=gen).to(DEVICE)
     full = triton_ops.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, torch.tensor([n], dtype=torch.int32, device=DEVICE),
-        torch.tensor([0, n], dtype=torch.int32, device=DEVICE), n, 0.2)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor([n], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+        n,
+        0.2,
+    )
     chunks = []
     for lo, hi in [(0, 20), (20, 36)]:
-        chunks.append(triton_ops.paged_prefill_attention(
-            q[lo:hi], k_cache, v_cache, block_tables, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
-            torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), hi - lo, 0.2))
-    chunks.append(triton_ops.paged_decode_attention(
-        q[36:], k_cache, v_cache, block_tables, torch.tensor([n], dtype=torch.int32, device=DEVICE), 0.2))
+        chunks.append(
+            triton_ops.paged_prefill_attention(
+                q[lo:hi],
+                k_cache,
+                v_cache,
+                block_tables,
+                torch.tensor([hi], dtype=torch.int32, device=DEVICE),
+                torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE),
+                hi - lo,
+                0.2,
+            )
+        )
+    chunks.append(
+        triton_ops.paged_decode_attention(
+            q[36:], k_cache, v_cache, block_tables, torch.tensor([n], dtype=torch.int32, device=DEVICE), 0.2
+        )
+    )
     torch.testing.assert_close(torch.cat(chunks), full, atol=2e-5, rtol=2e-5)
 
 

@@ -1,8 +1,9 @@
 """KV events: the engine's own prefix-cache keys, stored and evicted, drained into a reader's index that
 matches the cache exactly; the cluster layer hashes prompts the same way (engine.prefix_hash)."""
+
 import random
-import sys
 import subprocess
+import sys
 
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.kv_events import KVEventLog
@@ -37,8 +38,15 @@ def test_log_keeps_latest_event_per_key_bounded_and_resets_on_overflow() -> None
 
 
 def test_drained_events_track_the_engine_cache_through_evictions() -> None:
-    llm = LLM("demo:tiny", dtype="float32", num_blocks=24, block_size=16, max_num_seqs=4,
-              max_num_batched_tokens=256, enable_prefix_caching=True)
+    llm = LLM(
+        "demo:tiny",
+        dtype="float32",
+        num_blocks=24,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+    )
     kv = llm.engine.block_manager
     rng = random.Random(0)
     index: set[bytes] = set()
@@ -46,8 +54,13 @@ def test_drained_events_track_the_engine_cache_through_evictions() -> None:
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     resets = evicted = 0
     for r in range(5):
-        prompts = [{"prompt_token_ids": systems[(r + i) % 4] + [rng.randrange(4, 8000) for _ in range(9)],
-                    "cache_salt": "t" if i == 1 else None} for i in range(3)]
+        prompts = [
+            {
+                "prompt_token_ids": systems[(r + i) % 4] + [rng.randrange(4, 8000) for _ in range(9)],
+                "cache_salt": "t" if i == 1 else None,
+            }
+            for i in range(3)
+        ]
         llm.generate(prompts, sp, use_tqdm=False)
         events = llm.engine.drain_kv_events()
         resets += events.reset

@@ -1,6 +1,7 @@
 """Prefix caching, swap, priority with aging, partial prefills and the watermark (issue 3).
 Scheduler-level tests run against a fake runner that checks every KV slot a chunk reads; engine-level
 tests check greedy outputs on demo:llama-tiny."""
+
 import random
 from collections import defaultdict
 
@@ -22,8 +23,9 @@ MODEL = "demo:llama-tiny"
 
 def make_scheduler(num_blocks: int, block_size: int = 4, swap_blocks: int = 0, **options: object) -> Scheduler:
     options = {"enable_prefix_caching": True, "max_model_len": 2048, **options}
-    cfg = EngineConfig(model="demo:tiny", block_size=block_size, hf_config=BASE.hf_config,
-                       model_path=BASE.model_path, **options)
+    cfg = EngineConfig(
+        model="demo:tiny", block_size=block_size, hf_config=BASE.hf_config, model_path=BASE.model_path, **options
+    )
     kv = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching, swap_blocks)
     return Scheduler(cfg, kv, {EOS})
 
@@ -52,14 +54,17 @@ class FakeRunner:
             self.tables[c.req_id] = list(c.new_block_ids) if c.reset_blocks else self.tables[c.req_id] + c.new_block_ids
         tokens = {c.req_id: self.sched.requests[c.req_id].token_ids for c in so.chunks}
         for c in so.chunks:
-            assert c.token_ids == tokens[c.req_id][c.start:c.start + len(c.token_ids)]
+            assert c.token_ids == tokens[c.req_id][c.start : c.start + len(c.token_ids)]
             for pos in range(c.start, c.start + len(c.token_ids)):
-                self.gpu[self.tables[c.req_id][pos // self.bs]][pos % self.bs] = hash(tuple(tokens[c.req_id][:pos + 1]))
+                self.gpu[self.tables[c.req_id][pos // self.bs]][pos % self.bs] = hash(
+                    tuple(tokens[c.req_id][: pos + 1])
+                )
         for c in so.chunks:
             table = self.tables[c.req_id]
             for pos in range(c.start + len(c.token_ids)):
-                assert self.gpu[table[pos // self.bs]][pos % self.bs] == hash(tuple(tokens[c.req_id][:pos + 1])), \
+                assert self.gpu[table[pos // self.bs]][pos % self.bs] == hash(tuple(tokens[c.req_id][: pos + 1])), (
                     f"{c.req_id} reads stale KV at position {pos} (block {table[pos // self.bs]})"
+                )
         sampled = [c.req_id for c in so.chunks if c.sample]
         toks = [self.sample(tokens[r] + [0]) for r in sampled]
         return ModelRunnerOutput(sampled, toks, [None] * len(sampled))
@@ -87,10 +92,15 @@ def random_workload(rng: random.Random, sched: Scheduler, runner: FakeRunner, nu
     aborts: dict[int, list[Sequence]] = defaultdict(list)
     capacity = sched.kv.num_blocks * sched.kv.block_size
     for i in range(num_requests):
-        prompt = rng.choice(prefixes)[:rng.randint(1, 40)] + [rng.randrange(10, 50) for _ in range(rng.randint(0, 9))]
+        prompt = rng.choice(prefixes)[: rng.randint(1, 40)] + [rng.randrange(10, 50) for _ in range(rng.randint(0, 9))]
         max_tokens = min(rng.randint(1, 24), capacity - len(prompt))
-        seq = Sequence(str(i), prompt, SamplingParams(max_tokens=max_tokens), priority=rng.randint(0, 2),
-                       cache_salt=rng.choice([None, None, "tenant"]))
+        seq = Sequence(
+            str(i),
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            priority=rng.randint(0, 2),
+            cache_salt=rng.choice([None, None, "tenant"]),
+        )
         arrivals[rng.randint(0, 20)].append(seq)
         if rng.random() < 0.1:
             aborts[rng.randint(0, 40)].append(seq)
@@ -105,7 +115,7 @@ def random_workload(rng: random.Random, sched: Scheduler, runner: FakeRunner, nu
         so, cfg = runner.step(), sched.config
         assert so.num_tokens <= cfg.max_num_batched_tokens and len(so.chunks) <= cfg.max_num_seqs
         assert not cfg.max_num_partial_prefills or sum(not c.sample for c in so.chunks) <= cfg.max_num_partial_prefills
-        assert all(len(c.token_ids) <= (cfg.long_prefill_token_threshold or 10 ** 9) for c in so.chunks)
+        assert all(len(c.token_ids) <= (cfg.long_prefill_token_threshold or 10**9) for c in so.chunks)
     raise AssertionError("no progress")
 
 
@@ -117,11 +127,19 @@ def test_every_kv_read_sees_what_was_written(mode: str) -> None:
         rng = random.Random(seed)
         num_blocks, block_size = rng.randint(14, 30), rng.choice([4, 8])
         swap_blocks = rng.choice([2, 8, 30]) if mode == "swap" else 0
-        sched = make_scheduler(num_blocks, block_size, swap_blocks, preemption_mode=mode,
-                               max_num_batched_tokens=rng.choice([8, 32, 96]),
-                               max_num_seqs=rng.randint(2, 6), long_prefill_token_threshold=rng.choice([0, 6]),
-                               max_num_partial_prefills=rng.choice([0, 1]), watermark=rng.choice([0.0, 0.1]),
-                               adaptive_watermark=rng.random() < 0.5, aging_rate=rng.choice([1.0, 20.0]))
+        sched = make_scheduler(
+            num_blocks,
+            block_size,
+            swap_blocks,
+            preemption_mode=mode,
+            max_num_batched_tokens=rng.choice([8, 32, 96]),
+            max_num_seqs=rng.randint(2, 6),
+            long_prefill_token_threshold=rng.choice([0, 6]),
+            max_num_partial_prefills=rng.choice([0, 1]),
+            watermark=rng.choice([0.0, 0.1]),
+            adaptive_watermark=rng.random() < 0.5,
+            aging_rate=rng.choice([1.0, 20.0]),
+        )
         runner = FakeRunner(sched)
         random_workload(rng, sched, runner, rng.randint(4, 14))
         assert_pool_consistent(sched.kv)
@@ -151,10 +169,15 @@ def test_high_priority_finishes_first_and_low_priority_is_the_victim() -> None:
     runner = FakeRunner(sched)
     victims = []
     preempt = sched._preempt
-    sched._preempt = lambda seq, out: (victims.append((seq.priority, max(s.priority for s in sched.running))),
-                                       preempt(seq, out))
-    seqs = [Sequence(f"{p}{i}", [10 + i] * 6, SamplingParams(max_tokens=10), priority=p, arrival_time=float(i))
-            for i in range(4) for p in (1, 0)]
+    sched._preempt = lambda seq, out: (
+        victims.append((seq.priority, max(s.priority for s in sched.running))),
+        preempt(seq, out),
+    )
+    seqs = [
+        Sequence(f"{p}{i}", [10 + i] * 6, SamplingParams(max_tokens=10), priority=p, arrival_time=float(i))
+        for i in range(4)
+        for p in (1, 0)
+    ]
     for s in seqs:
         sched.add(s)
     done: dict[str, int] = {}
@@ -189,8 +212,9 @@ def test_preempted_request_resumes_before_later_arrivals(mode: str) -> None:
 def starve(aging_rate: float, steps: int, mode: str) -> int | None:
     """One low-priority request under a stream of high-priority ones arriving faster than they are served;
     the cache is tight, so it is also preempted (swapped out) while it runs."""
-    sched = make_scheduler(12, max_num_seqs=4, enable_prefix_caching=False, aging_rate=aging_rate,
-                           preemption_mode=mode, swap_blocks=64)
+    sched = make_scheduler(
+        12, max_num_seqs=4, enable_prefix_caching=False, aging_rate=aging_rate, preemption_mode=mode, swap_blocks=64
+    )
     runner = FakeRunner(sched)
     low = Sequence("low", [9] * 8, SamplingParams(max_tokens=30), priority=3)
     sched.add(low)
@@ -211,11 +235,16 @@ def test_aging_bounds_the_wait_of_a_low_priority_request(mode: str) -> None:
 
 def decode_gaps(threshold: int, cap: int) -> int:
     """Short requests left without a token in a step (summed over steps), long prompts arriving among them."""
-    sched = make_scheduler(200, max_num_batched_tokens=32, long_prefill_token_threshold=threshold,
-                           max_num_partial_prefills=cap)
+    sched = make_scheduler(
+        200, max_num_batched_tokens=32, long_prefill_token_threshold=threshold, max_num_partial_prefills=cap
+    )
     runner = FakeRunner(sched)
-    seqs = [Sequence(f"s{i}", [10 + i] * 5, SamplingParams(max_tokens=20)) if i % 2 == 0 else
-            Sequence(f"l{i}", [20 + i] * 120, SamplingParams(max_tokens=4)) for i in range(5)]
+    seqs = [
+        Sequence(f"s{i}", [10 + i] * 5, SamplingParams(max_tokens=20))
+        if i % 2 == 0
+        else Sequence(f"l{i}", [20 + i] * 120, SamplingParams(max_tokens=4))
+        for i in range(5)
+    ]
     for s in seqs:
         sched.add(s)
     gaps = 0
@@ -242,12 +271,17 @@ def reference():
                 cache[tuple(p), max_tokens] = o
         assert llm.engine.stats().num_preemptions == 0
         return [cache[tuple(p), max_tokens] for p in prompts]
+
     return get
 
 
 def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 16, **kwargs: object) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False, **kwargs)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+        **kwargs,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -274,8 +308,11 @@ def test_prefix_cache_hits_keep_greedy_outputs(reference) -> None:
     cached_before = set(kv.pool.cached)
     assert greedy(llm, other) == reference(other)
     assert cached_before - set(kv.pool.cached), "the unrelated prompts evicted part of the cache"
-    outs = llm.generate([{"prompt_token_ids": p} for p in shared],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in shared],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == reference(shared)
     assert outs[3].metrics.num_cached_tokens == 8, "a fully cached prompt still computes its last block"
     assert llm.engine.stats().prefix_cache_hits > first
@@ -284,9 +321,15 @@ def test_prefix_cache_hits_keep_greedy_outputs(reference) -> None:
 
     salted = tokens(rng, 30)
     assert greedy(llm, [salted], cache_salt=["t1"]) == reference([salted])
-    outs = llm.generate([{"prompt_token_ids": salted, "cache_salt": "t2"},
-                         {"prompt_token_ids": salted, "cache_salt": "t1"}, {"prompt_token_ids": salted}],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [
+            {"prompt_token_ids": salted, "cache_salt": "t2"},
+            {"prompt_token_ids": salted, "cache_salt": "t1"},
+            {"prompt_token_ids": salted},
+        ],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == reference([salted]) * 3
     assert [o.metrics.num_cached_tokens for o in outs] == [0, 24, 0], "only the same tenant hits"
     assert_no_leak(llm)
@@ -295,12 +338,22 @@ def test_prefix_cache_hits_keep_greedy_outputs(reference) -> None:
 def test_swap_round_trip_and_fallback_to_recompute(reference) -> None:
     rng = random.Random(2)
     prompts = [tokens(rng, rng.randint(20, 34)) for _ in range(6)]
-    llm = LLM(MODEL, dtype="float32", block_size=8, num_blocks=16, enable_prefix_caching=False,
-              preemption_mode="swap", swap_space=4 * 32768)
+    llm = LLM(
+        MODEL,
+        dtype="float32",
+        block_size=8,
+        num_blocks=16,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        swap_space=4 * 32768,
+    )
     assert llm.engine.block_manager.num_swap_blocks == 4, "room for the smaller victims only"
     steps = record_steps(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == reference(prompts, 24)
     chunks = defaultdict(list)
     for so in steps:
@@ -319,14 +372,22 @@ def test_swap_round_trip_and_fallback_to_recompute(reference) -> None:
 
 
 def test_short_requests_decode_every_step_beside_long_prompts(reference) -> None:
-    llm = LLM(MODEL, dtype="float32", block_size=8, num_blocks=128, max_num_batched_tokens=32,
-              long_prefill_token_threshold=8, max_num_partial_prefills=1)
+    llm = LLM(
+        MODEL,
+        dtype="float32",
+        block_size=8,
+        num_blocks=128,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=8,
+        max_num_partial_prefills=1,
+    )
     engine, steps = llm.engine, record_steps(llm)
     rng = random.Random(3)
     short, long = [tokens(rng, 5) for _ in range(3)], [tokens(rng, 120) for _ in range(2)]
     for i, p in enumerate([short[0], long[0], short[1], long[1], short[2]]):
-        engine.add_request(f"{'sl'[i % 2]}{i}", p, SamplingParams(temperature=0, max_tokens=4 if i % 2 else 20,
-                                                                  ignore_eos=True))
+        engine.add_request(
+            f"{'sl'[i % 2]}{i}", p, SamplingParams(temperature=0, max_tokens=4 if i % 2 else 20, ignore_eos=True)
+        )
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})

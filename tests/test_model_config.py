@@ -1,5 +1,6 @@
 """What real checkpoints' configs bring: generation_config.json defaults, sliding windows, max_model_len from the KV
 cache; on generated checkpoints, checked against transformers where the maths is involved."""
+
 import logging
 from pathlib import Path
 
@@ -17,8 +18,11 @@ PROMPTS = [[1, 400, 401, 402, 403], [1, 17, 230, 999, 5, 6, 7, 8, 9]]
 def test_generation_config_defaults_offline(tmp_path: Path) -> None:
     sampling = dict(top_k=1, repetition_penalty=1.3, temperature=0.7)
     plain = LLM(str(make_model(tmp_path / "plain")), dtype="float32", num_blocks=16)
-    first = plain.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**sampling, max_tokens=1),
-                           use_tqdm=False)[0].outputs[0].token_ids[0]
+    first = (
+        plain.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**sampling, max_tokens=1), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids[0]
+    )
     gen = {**sampling, "eos_token_id": [2, first]}
     llm = LLM(str(make_model(tmp_path / "m", generation_config=gen)), dtype="float32", num_blocks=16)
     defaults = llm.get_default_sampling_params()
@@ -27,8 +31,9 @@ def test_generation_config_defaults_offline(tmp_path: Path) -> None:
     explicit = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**sampling), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in explicit]
     assert out[0].outputs[0].token_ids == [first] and out[0].outputs[0].finish_reason == "stop"
-    again = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**sampling, max_tokens=4, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0]
+    again = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(**sampling, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert again.token_ids[0] == first and len(again.token_ids) == 4
 
 
@@ -55,10 +60,13 @@ def test_max_model_len_defaults_to_what_the_kv_cache_holds(caplog: pytest.LogCap
     assert LLM("demo:tiny", num_blocks=8, block_size=16, max_model_len=1024).engine.max_model_len == 1024
 
 
-@pytest.mark.parametrize("arch,config", [
-    ("mistral", {"sliding_window": 64}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": None}),
-])
+@pytest.mark.parametrize(
+    "arch,config",
+    [
+        ("mistral", {"sliding_window": 64}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "layer_types": None}),
+    ],
+)
 def test_sliding_window_caps_or_refuses(tmp_path: Path, arch: str, config: dict) -> None:
     path = str(make_model(tmp_path / arch, arch=arch, config=config))
     with pytest.raises(ValueError, match=r"max_model_len \(128\) exceeds the model's sliding_window \(64\)"):
@@ -66,8 +74,9 @@ def test_sliding_window_caps_or_refuses(tmp_path: Path, arch: str, config: dict)
     llm = LLM(path, dtype="float32", num_blocks=16)
     assert llm.engine.max_model_len == 64
     prompt = [1] + [(31 * i + 7) % 8000 + 4 for i in range(40)]
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids == hf_greedy(path, [prompt], 20)[0]
     with pytest.raises(ValueError, match="max_model_len is 64"):
         llm.generate({"prompt_token_ids": [1] * 64}, use_tqdm=False)

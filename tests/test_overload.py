@@ -1,5 +1,6 @@
 """A burst far past capacity over real HTTP: every request is counted, each one is served or refused with
 429/503 + Retry-After, none hangs past the client's timeout, and the pool and the admission queue end empty."""
+
 import asyncio
 import json
 import random
@@ -16,8 +17,12 @@ PROMPT_TOKENS, MAX_TOKENS, BURST, CLIENT_TIMEOUT_S = 100, 32, 60, 60.0
 
 
 async def one(client: httpx.AsyncClient, i: int) -> dict[str, Any]:
-    body = {"prompt": [random.randrange(10, 8000) for _ in range(PROMPT_TOKENS)], "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "stream": i % 2 == 1}
+    body = {
+        "prompt": [random.randrange(10, 8000) for _ in range(PROMPT_TOKENS)],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": i % 2 == 1,
+    }
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
@@ -26,14 +31,21 @@ async def one(client: httpx.AsyncClient, i: int) -> dict[str, Any]:
             raw = await r.aread()
     except httpx.HTTPError as e:
         return {"i": i, "error": repr(e), "s": time.perf_counter() - t0}
-    return {"i": i, "status": r.status_code, "headers": dict(r.headers), "raw": raw.decode(), "stream": body["stream"],
-            "s": time.perf_counter() - t0}
+    return {
+        "i": i,
+        "status": r.status_code,
+        "headers": dict(r.headers),
+        "raw": raw.decode(),
+        "stream": body["stream"],
+        "s": time.perf_counter() - t0,
+    }
 
 
 async def burst(app: App) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=app.url, timeout=CLIENT_TIMEOUT_S, limits=limits,
-                                 headers=app.headers) as client:
+    async with httpx.AsyncClient(
+        base_url=app.url, timeout=CLIENT_TIMEOUT_S, limits=limits, headers=app.headers
+    ) as client:
         return await asyncio.gather(*(one(client, i) for i in range(BURST)))
 
 
@@ -63,14 +75,18 @@ def test_burst_ten_times_capacity(conveyor_app: App) -> None:
     for r in refused:
         assert int(r["headers"]["retry-after"]) >= 1
         err = json.loads(r["raw"])["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["type"] in ("rate_limit_error",
-                                                                                    "service_unavailable")
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] in (
+            "rate_limit_error",
+            "service_unavailable",
+        )
     assert all(completion_tokens(r) == MAX_TOKENS for r in served)
     after = app.pool_whole()
     ran = (after["num_finished"] - after["num_aborted"]) - (base["num_finished"] - base["num_aborted"])
     assert ran == len(served), f"{ran} requests ran to their end, {len(served)} were served"
     assert after["num_aborted"] == base["num_aborted"]
     assert app.admission_queued() == 0
-    print(f"burst {BURST} (capacity {capacity}): {len(served)} served, "
-          f"{sum(r['status'] == 429 for r in results)} x 429, {sum(r['status'] == 503 for r in results)} x 503, "
-          f"slowest {max(r['s'] for r in results):.1f}s")
+    print(
+        f"burst {BURST} (capacity {capacity}): {len(served)} served, "
+        f"{sum(r['status'] == 429 for r in results)} x 429, {sum(r['status'] == 503 for r in results)} x 503, "
+        f"slowest {max(r['s'] for r in results):.1f}s"
+    )

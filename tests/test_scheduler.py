@@ -1,5 +1,7 @@
 """Property tests of scheduler + block pool with random arrivals, lengths and aborts."""
-from hypothesis import HealthCheck, given, settings, strategies as st
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.config import EngineConfig
@@ -12,21 +14,41 @@ EOS = 2
 BASE = EngineConfig(model="demo:tiny")
 
 request = st.tuples(
-    st.integers(0, 30),                  # arrival step
-    st.integers(1, 70),                  # prompt length
-    st.integers(1, 40),                  # max_tokens
-    st.integers(0, 3),                   # prompt alphabet (shared prefixes when small)
+    st.integers(0, 30),  # arrival step
+    st.integers(1, 70),  # prompt length
+    st.integers(1, 40),  # max_tokens
+    st.integers(0, 3),  # prompt alphabet (shared prefixes when small)
     st.one_of(st.none(), st.integers(0, 60)),  # abort at step
-    st.integers(0, 2),                   # priority
+    st.integers(0, 2),  # priority
 )
 
 
-def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: int, max_seqs: int,
-             policy: str, caching: bool, mode: str, threshold: int, decode_cap: int = 0) -> None:
-    cfg = EngineConfig(model="demo:tiny", max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                       block_size=block_size, scheduling_policy=policy, enable_prefix_caching=caching,
-                       preemption_mode=mode, long_prefill_token_threshold=threshold, hf_config=BASE.hf_config,
-                       model_path=BASE.model_path, max_model_len=2048, max_prefill_tokens_while_decoding=decode_cap)
+def simulate(
+    requests: list[tuple],
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    max_seqs: int,
+    policy: str,
+    caching: bool,
+    mode: str,
+    threshold: int,
+    decode_cap: int = 0,
+) -> None:
+    cfg = EngineConfig(
+        model="demo:tiny",
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        block_size=block_size,
+        scheduling_policy=policy,
+        enable_prefix_caching=caching,
+        preemption_mode=mode,
+        long_prefill_token_threshold=threshold,
+        hf_config=BASE.hf_config,
+        model_path=BASE.model_path,
+        max_model_len=2048,
+        max_prefill_tokens_while_decoding=decode_cap,
+    )
     kv = BlockManager(num_blocks, block_size, caching, num_swap_blocks=num_blocks // 2 if mode == "swap" else 0)
     sched = Scheduler(cfg, kv, {EOS})
     seqs, finished, runner_tables = {}, {}, {}
@@ -35,8 +57,11 @@ def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: in
         if max_tokens < 1:
             continue
         prompt = [(7 * j + alphabet * (j > 20)) % 50 + 10 for j in range(plen)]
-        seqs[str(i)] = (arrival, Sequence(str(i), prompt, SamplingParams(max_tokens=max_tokens), priority=prio),
-                        abort_at)
+        seqs[str(i)] = (
+            arrival,
+            Sequence(str(i), prompt, SamplingParams(max_tokens=max_tokens), priority=prio),
+            abort_at,
+        )
     step = 0
     while len(finished) < len(seqs):
         for rid, (arrival, seq, abort_at) in seqs.items():
@@ -51,8 +76,9 @@ def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: in
             assert sum(len(c.token_ids) for c in so.chunks if len(c.token_ids) > 1) <= decode_cap
         assert len(so.chunks) <= max_seqs and len(sched.running) <= max_seqs
         for c in so.chunks:
-            table = runner_tables[c.req_id] = (list(c.new_block_ids) if c.reset_blocks
-                                               else runner_tables[c.req_id] + c.new_block_ids)
+            table = runner_tables[c.req_id] = (
+                list(c.new_block_ids) if c.reset_blocks else runner_tables[c.req_id] + c.new_block_ids
+            )
             assert table == kv.block_ids(sched.requests[c.req_id])
             assert len(table) * block_size >= c.start + len(c.token_ids)
             assert len(c.token_ids) >= 1 and (not threshold or len(c.token_ids) <= max(threshold, 1))
@@ -77,13 +103,21 @@ def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: in
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(request, min_size=1, max_size=14), num_blocks=st.integers(8, 40),
-       block_size=st.sampled_from([4, 8, 16]), budget=st.integers(1, 96), max_seqs=st.integers(1, 6),
-       policy=st.sampled_from(["continuous", "static"]), caching=st.booleans(),
-       mode=st.sampled_from(["recompute", "swap"]), threshold=st.sampled_from([0, 0, 5]),
-       decode_cap=st.sampled_from([0, 0, 3, 24]))
-def test_scheduler_invariants(requests, num_blocks, block_size, budget, max_seqs, policy, caching, mode,
-                              threshold, decode_cap) -> None:
+@given(
+    requests=st.lists(request, min_size=1, max_size=14),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([4, 8, 16]),
+    budget=st.integers(1, 96),
+    max_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["continuous", "static"]),
+    caching=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    threshold=st.sampled_from([0, 0, 5]),
+    decode_cap=st.sampled_from([0, 0, 3, 24]),
+)
+def test_scheduler_invariants(
+    requests, num_blocks, block_size, budget, max_seqs, policy, caching, mode, threshold, decode_cap
+) -> None:
     simulate(requests, num_blocks, block_size, budget, max_seqs, policy, caching, mode, threshold, decode_cap)
 
 

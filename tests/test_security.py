@@ -1,5 +1,6 @@
 """Security at the HTTP edge: API key, loopback bind, nothing secret in the logs, no code execution from client
 bytes, and `cache_salt` keeping tenants' prefix-cache entries apart."""
+
 import ast
 import pickle
 import random
@@ -30,9 +31,17 @@ def check_401(r: httpx.Response) -> None:
     assert err["code"] == "invalid_api_key" and API_KEY not in r.text
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                                     {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}],
-                         ids=["none", "wrong", "no-scheme", "basic", "longer"])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": API_KEY},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"Authorization": f"Bearer {API_KEY}x"},
+    ],
+    ids=["none", "wrong", "no-scheme", "basic", "longer"],
+)
 def test_api_key_required(conveyor_app: App, headers: dict[str, str]) -> None:
     with httpx.Client(base_url=conveyor_app.url, timeout=30, headers=headers) as anon:
         check_401(anon.post(COMP, json={"prompt": "x", "max_tokens": 2}))
@@ -80,24 +89,37 @@ def test_prompts_and_keys_not_logged(conveyor_app: App) -> None:
     canary, wrong_key = f"zebra{uuid.uuid4().hex[:12]}", f"sk-wrong-{uuid.uuid4().hex[:12]}"
     http = conveyor_app.http
     assert http.post(COMP, json={"prompt": f"say {canary}", "max_tokens": 2}).status_code == 200
-    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": canary}],
-                                                   "max_tokens": 2}).status_code == 200
+    assert (
+        http.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": canary}], "max_tokens": 2}
+        ).status_code
+        == 200
+    )
     assert http.post(COMP, json={"prompt": canary, "temperature": -1}).status_code == 400
-    check_401(httpx.post(f"{conveyor_app.url}{COMP}", json={"prompt": canary},
-                         headers={"Authorization": f"Bearer {wrong_key}"}))
+    check_401(
+        httpx.post(
+            f"{conveyor_app.url}{COMP}", json={"prompt": canary}, headers={"Authorization": f"Bearer {wrong_key}"}
+        )
+    )
     assert http.get("/metrics").status_code == 200  # after the requests were logged and counted
     logs = [p for p in Path(conveyor_app.temp_dir).rglob("*") if p.is_file() and "logs" in p.parts]
     assert any("serve" in p.parts for p in logs), "no Serve logs found to search"
     assert any(b"/v1/chat/completions" in p.read_bytes() for p in logs), "the requests' access logs were not found"
-    found = [str(p) for p in logs for secret in (canary, wrong_key, API_KEY)
-             if secret.encode() in p.read_bytes()]
+    found = [str(p) for p in logs for secret in (canary, wrong_key, API_KEY) if secret.encode() in p.read_bytes()]
     assert not found, found
 
 
 def test_no_eval_or_pickle_of_client_input(conveyor_app: App) -> None:
     banned = {"eval", "exec", "compile", "__import__"}
-    unsafe = {("pickle", "loads"), ("pickle", "load"), ("marshal", "loads"), ("yaml", "load"), ("yaml", "unsafe_load"),
-              ("dill", "loads"), ("cloudpickle", "loads")}
+    unsafe = {
+        ("pickle", "loads"),
+        ("pickle", "load"),
+        ("marshal", "loads"),
+        ("yaml", "load"),
+        ("yaml", "unsafe_load"),
+        ("dill", "loads"),
+        ("cloudpickle", "loads"),
+    }
     hits = []
     for path in [*(ROOT / "deployments").glob("*.py"), *(ROOT / "cluster").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -126,8 +148,11 @@ def hits_of(app: App, path: str, body: dict[str, Any]) -> int:
 @pytest.mark.parametrize("path", [COMP, "/v1/chat/completions"])
 def test_cache_salt_separates_tenants(conveyor_app: App, path: str) -> None:
     words = " ".join(random.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(80))
-    body = {"prompt": [random.randrange(10, 8000) for _ in range(80)]} if path == COMP else {
-        "messages": [{"role": "user", "content": words}]}
+    body = (
+        {"prompt": [random.randrange(10, 8000) for _ in range(80)]}
+        if path == COMP
+        else {"messages": [{"role": "user", "content": words}]}
+    )
     a, b = f"tenant-a-{uuid.uuid4().hex}", f"tenant-b-{uuid.uuid4().hex}"
     assert hits_of(conveyor_app, path, {**body, "cache_salt": a}) == 0
     assert hits_of(conveyor_app, path, {**body, "cache_salt": a}) >= 64, "the same salt did not share its prefix"

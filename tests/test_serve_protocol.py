@@ -10,14 +10,15 @@ from conveyor.deployments.protocol import APIError, ChatCompletionRequest, Compl
 from conveyor.deployments.responses import DONE, ResponseBuilder, merge_deltas, sse_error
 
 
-def delta(index: int, text: str, ids: list[int], finish: str | None = None,
-          logprobs: list[dict[int, float]] | None = None) -> Delta:
+def delta(
+    index: int, text: str, ids: list[int], finish: str | None = None, logprobs: list[dict[int, float]] | None = None
+) -> Delta:
     return Delta(index=index, text=text, token_ids=ids, logprobs=logprobs, finish_reason=finish)
 
 
 def parse(chunk: str) -> dict:
     assert chunk.startswith("data: ") and chunk.endswith("\n\n")
-    return json.loads(chunk[len("data: "):])
+    return json.loads(chunk[len("data: ") :])
 
 
 def test_completion_request_defaults_and_sampling() -> None:
@@ -32,19 +33,22 @@ def test_completion_request_defaults_and_sampling() -> None:
     assert CompletionRequest(prompt="x", top_k=0).sampling(4)["top_k"] == -1
 
 
-@pytest.mark.parametrize("body,field", [
-    ({}, "prompt"),
-    ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": {"a": 1}}, "prompt"),
-    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    ({"prompt": "x", "stream_options": {"include_usage": "maybe"}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({}, "prompt"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": {"a": 1}}, "prompt"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "stream_options": {"include_usage": "maybe"}}, "stream_options"),
+    ],
+)
 def test_completion_request_rejects(body: dict, field: str) -> None:
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
@@ -52,26 +56,40 @@ def test_completion_request_rejects(body: dict, field: str) -> None:
 
 
 def test_chat_request() -> None:
-    req = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "system", "content": "be brief"},
-                                   {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                {"type": "text", "text": "b"}]}],
-        "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 7})
-    assert [m.render() for m in req.messages] == [{"role": "system", "content": "be brief"},
-                                                  {"role": "user", "content": "ab"}]
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+            "logprobs": True,
+            "top_logprobs": 3,
+            "max_completion_tokens": 7,
+        }
+    )
+    assert [m.render() for m in req.messages] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
     assert req.num_logprobs() == 3 and req.max_tokens is None and req.max_completion_tokens == 7
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True).num_logprobs() == 0
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=3).num_logprobs() is None
-    for bad in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": "hi"},
-                {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30}):
+    for bad in (
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": "hi"},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30},
+    ):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
 
 
 def test_error_shape() -> None:
     e = APIError("bad temperature", param="temperature")
-    assert e.response().model_dump() == {"error": {"message": "bad temperature", "type": "invalid_request_error",
-                                                   "param": "temperature", "code": 400}}
+    assert e.response().model_dump() == {
+        "error": {"message": "bad temperature", "type": "invalid_request_error", "param": "temperature", "code": 400}
+    }
     nf = APIError("no such model", status=404, type="not_found_error", code="model_not_found").response()
     assert nf.error.code == "model_not_found" and nf.error.type == "not_found_error"
     assert parse(sse_error("boom"))["error"]["message"] == "boom"
@@ -79,8 +97,13 @@ def test_error_shape() -> None:
 
 
 def test_merge_deltas() -> None:
-    merged = merge_deltas([delta(0, "a", [1], logprobs=[{1: -0.1}]), delta(1, "x", [9]),
-                           delta(0, "b", [2], "length", logprobs=[{2: -0.2}])])
+    merged = merge_deltas(
+        [
+            delta(0, "a", [1], logprobs=[{1: -0.1}]),
+            delta(1, "x", [9]),
+            delta(0, "b", [2], "length", logprobs=[{2: -0.2}]),
+        ]
+    )
     assert merged[0] == delta(0, "ab", [1, 2], "length", [{1: -0.1}, {2: -0.2}])
     assert merged[1] == delta(1, "x", [9])
 
@@ -91,15 +114,15 @@ def decode(t: int) -> str:
 
 def test_completion_stream_and_usage() -> None:
     b = ResponseBuilder(False, "cmpl-1", "demo:tiny", 2, prompt_tokens=5, num_logprobs=None, decode=decode)
-    chunks = b.chunks([delta(0, "He", [1, 2]), delta(1, "Yo", [7])]) + b.chunks([delta(0, "llo", [3], "stop"),
-                                                                                  delta(1, "", [], "length")])
+    chunks = b.chunks([delta(0, "He", [1, 2]), delta(1, "Yo", [7])]) + b.chunks(
+        [delta(0, "llo", [3], "stop"), delta(1, "", [], "length")]
+    )
     objs = [parse(c) for c in chunks]
     assert all(o["object"] == "text_completion" and o["id"] == "cmpl-1" and len(o["choices"]) == 1 for o in objs)
     assert "".join(o["choices"][0]["text"] for o in objs if o["choices"][0]["index"] == 0) == "Hello"
     assert [o["choices"][0]["finish_reason"] for o in objs] == [None, None, "stop", "length"]
     usage = parse(b.usage_chunk())
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 4,
-                                                         "total_tokens": 9}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     assert DONE == "data: [DONE]\n\n"
 
 
@@ -110,8 +133,9 @@ def test_chat_stream_role_then_content() -> None:
     choice = first["choices"][0]
     assert choice["delta"] == {"role": "assistant", "content": "Hi"} and choice["finish_reason"] is None
     assert choice["logprobs"]["content"][0]["token"] == "<5>"
-    assert choice["logprobs"]["content"][0]["top_logprobs"] == [{"token": "<5>", "logprob": -0.5,
-                                                                 "bytes": list(b"<5>")}]
+    assert choice["logprobs"]["content"][0]["top_logprobs"] == [
+        {"token": "<5>", "logprob": -0.5, "bytes": list(b"<5>")}
+    ]
     last = parse(b.chunks([delta(0, "!", [6], "stop", logprobs=[{6: -0.25}])])[0])["choices"][0]
     assert last["delta"] == {"content": "!"} and last["finish_reason"] == "stop"
     assert parse(b.usage_chunk())["usage"]["completion_tokens"] == 2
@@ -122,8 +146,11 @@ def test_whole_responses_with_logprobs() -> None:
     b.add([delta(0, "ab", [1, 2], logprobs=[{1: -0.1, 3: -2.0}, {2: -0.3}])])
     b.add([delta(0, "c", [4], "length", logprobs=[{4: -0.7, 1: -0.2}])])
     r = b.response().model_dump()
-    assert r["object"] == "text_completion" and r["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
-                                                               "total_tokens": 5}
+    assert r["object"] == "text_completion" and r["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+    }
     c = r["choices"][0]
     assert c["text"] == "abc" and c["finish_reason"] == "length"
     assert c["logprobs"]["tokens"] == ["<1>", "<2>", "<4>"]
@@ -137,12 +164,15 @@ def test_whole_responses_with_logprobs() -> None:
     r = chat.response().model_dump()
     assert r["object"] == "chat.completion"
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in r["choices"]] == [
-        (0, "yz", "length"), (1, "x", "stop")]
+        (0, "yz", "length"),
+        (1, "x", "stop"),
+    ]
     assert r["choices"][0]["message"]["role"] == "assistant" and r["usage"]["completion_tokens"] == 3
 
 
 def test_router_error_handlers() -> None:
     from fastapi.exceptions import RequestValidationError
+
     try:
         CompletionRequest.model_validate({"prompt": "x", "temperature": -1})
     except ValidationError as e:
@@ -159,18 +189,24 @@ def test_router_error_handlers() -> None:
 
 def test_app_args_fail_naming_the_field() -> None:
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as build
+
     assert build(apps.build_app, {"engine": {"max_num_seqs": 4}}) is not None
-    for bad, field in [({"num_replicas": 0}, "num_replicas"), ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
-                       ({"engine": {"bogus": 1}}, "engine.bogus"), ({"model": "no/such/dir"}, "model"),
-                       ({"replicas": 2}, "replicas"), ({"port": 70000}, "port"),
-                       ({"autoscaling": {"max_replicas": 0}}, "max_replicas"),
-                       ({"admission": {"bogus": 1}}, "admission.bogus"),
-                       ({"admission": {"high_watermark": 0.5, "low_watermark": 0.8}}, "admission"),
-                       ({"request_router": {"affinity": 1}}, "request_router.affinity"),
-                       ({"kv_autoscaling": {"policy": {"tolerance": 2}}}, "kv_autoscaling.policy"),
-                       ({"kv_autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "kv_autoscaling.max_replicas"),
-                       ({"kv_autoscaling": {}, "autoscaling": {"max_replicas": 2}}, "autoscaling"),
-                       ({"stats_push_s": 0.5}, "stats_push_s")]:
+    for bad, field in [
+        ({"num_replicas": 0}, "num_replicas"),
+        ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+        ({"engine": {"bogus": 1}}, "engine.bogus"),
+        ({"model": "no/such/dir"}, "model"),
+        ({"replicas": 2}, "replicas"),
+        ({"port": 70000}, "port"),
+        ({"autoscaling": {"max_replicas": 0}}, "max_replicas"),
+        ({"admission": {"bogus": 1}}, "admission.bogus"),
+        ({"admission": {"high_watermark": 0.5, "low_watermark": 0.8}}, "admission"),
+        ({"request_router": {"affinity": 1}}, "request_router.affinity"),
+        ({"kv_autoscaling": {"policy": {"tolerance": 2}}}, "kv_autoscaling.policy"),
+        ({"kv_autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "kv_autoscaling.max_replicas"),
+        ({"kv_autoscaling": {}, "autoscaling": {"max_replicas": 2}}, "autoscaling"),
+        ({"stats_push_s": 0.5}, "stats_push_s"),
+    ]:
         with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
             build(apps.build_app, bad)
 
@@ -190,10 +226,19 @@ def test_replica_placement() -> None:
 
 def test_cluster_layer_options() -> None:
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
+
     from conveyor.cluster.autoscaling import KVCacheAutoscalingPolicy
-    opts = apps.AppArgs(engine={"block_size": 32}, request_router={"affinity_weight": 2.0},
-                       kv_autoscaling={"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2,
-                                       "policy": {"target_kv_utilization": 0.6, "downscale_delay_s": 9}}).replica_options()
+
+    opts = apps.AppArgs(
+        engine={"block_size": 32},
+        request_router={"affinity_weight": 2.0},
+        kv_autoscaling={
+            "min_replicas": 1,
+            "max_replicas": 3,
+            "initial_replicas": 2,
+            "policy": {"target_kv_utilization": 0.6, "downscale_delay_s": 9},
+        },
+    ).replica_options()
     scaling = opts["autoscaling_config"]
     assert opts["num_replicas"] == "auto" and (scaling.min_replicas, scaling.max_replicas) == (1, 3)
     assert scaling.upscale_delay_s == scaling.downscale_delay_s == 0  # the policy's own delays apply instead

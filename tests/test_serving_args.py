@@ -1,5 +1,6 @@
 """The serving-path app arguments: topology, handle transport, engine core process, stream_interval; the
 router's light imports."""
+
 import subprocess
 import sys
 
@@ -8,13 +9,16 @@ import pytest
 from conveyor.deployments.app import AppArgs, build_app
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"topology": "single"}, "request_router"),
-    ({"topology": "two"}, "topology"),
-    ({"handle_transport": "http"}, "handle_transport"),
-    ({"stream_interval": 0}, "stream_interval"),
-    ({"stream_interval_s": 0.01}, "stream_interval_s"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"topology": "single"}, "request_router"),
+        ({"topology": "two"}, "topology"),
+        ({"handle_transport": "http"}, "handle_transport"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"stream_interval_s": 0.01}, "stream_interval_s"),
+    ],
+)
 def test_bad_serving_args_name_the_field(args: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         AppArgs(**args)
@@ -34,8 +38,9 @@ def test_topologies_build_the_deployments_they_name() -> None:
     on_loop = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
     assert default._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == on_loop
     assert replica._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "1", **on_loop}
-    grpc = build_app(AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2,
-                             user_code_thread=True))
+    grpc = build_app(
+        AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2, user_code_thread=True)
+    )
     env = grpc._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
     assert env == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
     kwargs = grpc._bound_deployment.init_args[0]._bound_deployment.init_kwargs
@@ -47,10 +52,12 @@ def test_topologies_build_the_deployments_they_name() -> None:
 
 def test_the_http_router_imports_no_torch() -> None:
     """The light edge: the router (and the request types, limits and tokenizer it uses) loads without torch."""
-    code = ("import sys, conveyor.deployments.router as r; from conveyor.engine.model_source import resolve_model; "
-            "t = r.PreTrainedTokenizerFast.from_pretrained(resolve_model('demo:tiny')); t('hi'); "
-            "r.RequestLimits(8192, 64, 16, 4).check(t('hi').input_ids, r.SamplingParams(max_tokens=4)); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
-            "or m.startswith(('conveyor.kernels', 'conveyor.engine.models', 'conveyor.engine.model_runner', 'conveyor.engine.layers'))))")
+    code = (
+        "import sys, conveyor.deployments.router as r; from conveyor.engine.model_source import resolve_model; "
+        "t = r.PreTrainedTokenizerFast.from_pretrained(resolve_model('demo:tiny')); t('hi'); "
+        "r.RequestLimits(8192, 64, 16, 4).check(t('hi').input_ids, r.SamplingParams(max_tokens=4)); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+        "or m.startswith(('conveyor.kernels', 'conveyor.engine.models', 'conveyor.engine.model_runner', 'conveyor.engine.layers'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout

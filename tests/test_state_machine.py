@@ -2,7 +2,9 @@
 prefixes, salts and priorities, engine steps, aborts and forced preemptions (recompute and swap) in any
 order. After every rule engine/invariants.py checks the pool, the tables, the swap slots and a real
 PersistentBatch kept as the model runner keeps it; at the end every request finishes and the pool is whole."""
-from hypothesis import HealthCheck, event, settings, strategies as st
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from conveyor.engine.block_manager import BlockManager
@@ -21,17 +23,46 @@ PREFIXES = [[(13 * j + 7 * g) % 90 + 10 for j in range(48)] for g in range(3)]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(6, 32), block_size=st.sampled_from([2, 4, 8]), budget=st.integers(1, 64),
-                max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "continuous", "static"]),
-                caching=st.booleans(), mode=st.sampled_from(["recompute", "swap"]), swap_blocks=st.integers(0, 24),
-                threshold=st.sampled_from([0, 0, 3]), partials=st.sampled_from([0, 1]))
-    def setup(self, num_blocks: int, block_size: int, budget: int, max_seqs: int, policy: str, caching: bool,
-              mode: str, swap_blocks: int, threshold: int, partials: int) -> None:
-        cfg = EngineConfig(model="demo:tiny", max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                           block_size=block_size, scheduling_policy=policy, enable_prefix_caching=caching,
-                           preemption_mode=mode, long_prefill_token_threshold=threshold,
-                           max_num_partial_prefills=partials, max_model_len=MAX_MODEL_LEN,
-                           hf_config=BASE.hf_config, model_path=BASE.model_path, check_invariants=True)
+    @initialize(
+        num_blocks=st.integers(6, 32),
+        block_size=st.sampled_from([2, 4, 8]),
+        budget=st.integers(1, 64),
+        max_seqs=st.integers(1, 6),
+        policy=st.sampled_from(["continuous", "continuous", "static"]),
+        caching=st.booleans(),
+        mode=st.sampled_from(["recompute", "swap"]),
+        swap_blocks=st.integers(0, 24),
+        threshold=st.sampled_from([0, 0, 3]),
+        partials=st.sampled_from([0, 1]),
+    )
+    def setup(
+        self,
+        num_blocks: int,
+        block_size: int,
+        budget: int,
+        max_seqs: int,
+        policy: str,
+        caching: bool,
+        mode: str,
+        swap_blocks: int,
+        threshold: int,
+        partials: int,
+    ) -> None:
+        cfg = EngineConfig(
+            model="demo:tiny",
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            block_size=block_size,
+            scheduling_policy=policy,
+            enable_prefix_caching=caching,
+            preemption_mode=mode,
+            long_prefill_token_threshold=threshold,
+            max_num_partial_prefills=partials,
+            max_model_len=MAX_MODEL_LEN,
+            hf_config=BASE.hf_config,
+            model_path=BASE.model_path,
+            check_invariants=True,
+        )
         self.kv = BlockManager(num_blocks, block_size, caching, swap_blocks if mode == "swap" else 0)
         self.sched = Scheduler(cfg, self.kv, {EOS})
         self.batch = PersistentBatch(-(-MAX_MODEL_LEN // block_size), 100, rows=2)
@@ -39,8 +70,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seqs: list[Sequence] = []
         self.steps = self.forced = 0
 
-    @rule(group=st.integers(0, 1), shared=st.integers(0, 48), tail=st.integers(0, 12), max_tokens=st.integers(1, 40),
-          priority=st.integers(0, 2), salt=st.sampled_from([None, None, None, "tenant-b"]))
+    @rule(
+        group=st.integers(0, 1),
+        shared=st.integers(0, 48),
+        tail=st.integers(0, 12),
+        max_tokens=st.integers(1, 40),
+        priority=st.integers(0, 2),
+        salt=st.sampled_from([None, None, None, "tenant-b"]),
+    )
     def arrive(self, group: int, shared: int, tail: int, max_tokens: int, priority: int, salt: str | None) -> None:
         prompt = PREFIXES[group][:shared] + [50 + (len(self.seqs) * 7 + j) % 40 for j in range(tail)]
         if not prompt:
@@ -48,12 +85,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens = min(max_tokens, self.kv.num_blocks * self.kv.block_size - len(prompt))
         if max_tokens < 1:
             return
-        seq = Sequence(f"r{len(self.seqs)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=False),
-                       priority=priority, cache_salt=salt, arrival_time=float(len(self.seqs)))
+        seq = Sequence(
+            f"r{len(self.seqs)}",
+            prompt,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=False),
+            priority=priority,
+            cache_salt=salt,
+            arrival_time=float(len(self.seqs)),
+        )
         self.seqs.append(seq)
         self.sched.add(seq)
 
-    @rule(eos_bits=st.one_of(st.just(0), st.integers(0, 2 ** 8 - 1)))
+    @rule(eos_bits=st.one_of(st.just(0), st.integers(0, 2**8 - 1)))
     def step(self, eos_bits: int) -> None:
         so = self.sched.schedule()
         cfg = self.sched.config
@@ -73,11 +116,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.batch.add(r.req_id, r.params)
         for c in so.chunks:
             seq = self.sched.requests[c.req_id]
-            assert c.token_ids == seq.token_ids[c.start:c.start + len(c.token_ids)] and c.token_ids
+            assert c.token_ids == seq.token_ids[c.start : c.start + len(c.token_ids)] and c.token_ids
             if c.new_block_ids or c.reset_blocks:
                 self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
             row = self.batch.rows[c.req_id]
-            assert self.batch.block_table[row, :self.batch.num_blocks[row]].tolist() == self.kv.block_ids(seq)
+            assert self.batch.block_table[row, : self.batch.num_blocks[row]].tolist() == self.kv.block_ids(seq)
             assert self.batch.num_blocks[row] * self.kv.block_size >= c.start + len(c.token_ids)
 
     def unfinished(self) -> list[Sequence]:
@@ -130,6 +173,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"prefix-cache hits: {'yes' if self.kv.hits else 'no'}, swap slots: {self.kv.num_swap_blocks > 0}")
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
-                                              suppress_health_check=[HealthCheck.too_slow])
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestSchedulerMachine = SchedulerMachine.TestCase

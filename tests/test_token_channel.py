@@ -1,6 +1,7 @@
 """The token channel between replica and router (deployments/token_channel.py) over real ZeroMQ sockets:
 one message per event-loop turn per router, chunks in order per request, the handle call's result
 and errors. The end-to-end streams of tests/test_serve_e2e.py run over it too (it is on by default)."""
+
 import asyncio
 from typing import Any
 
@@ -18,8 +19,18 @@ async def handle_call(result: Any, delay_s: float = 0.0) -> Any:
 
 
 def chunk(i: int, last: bool = False) -> dict[str, Any]:
-    return {"deltas": [{"index": 0, "text": f"t{i}", "token_ids": [i], "logprobs": [{i: -0.5}],
-                        "finish_reason": "length" if last else None}], "last": last}
+    return {
+        "deltas": [
+            {
+                "index": 0,
+                "text": f"t{i}",
+                "token_ids": [i],
+                "logprobs": [{i: -0.5}],
+                "finish_reason": "length" if last else None,
+            }
+        ],
+        "last": last,
+    }
 
 
 def test_one_message_per_loop_turn_and_chunks_in_order() -> None:
@@ -105,13 +116,21 @@ def test_a_backlog_leaves_as_one_merged_chunk_with_the_firsts_ttft_split() -> No
     got = asyncio.run(main())
     assert len(got) == 1 and got[0]["last"] and got[0]["emitted_at"] == 3.0
     assert (got[0]["first_s"], got[0]["ingress_s"], got[0]["replica"]) == (0.01, 0.002, "r")  # the first's TTFT split
-    assert got[0]["deltas"] == [{"index": 0, "text": "t0t1t2t3", "token_ids": [0, 1, 2, 3],
-                                 "logprobs": [{0: -0.5}, {1: -0.5}, {2: -0.5}, {3: -0.5}], "finish_reason": "length"}]
+    assert got[0]["deltas"] == [
+        {
+            "index": 0,
+            "text": "t0t1t2t3",
+            "token_ids": [0, 1, 2, 3],
+            "logprobs": [{0: -0.5}, {1: -0.5}, {2: -0.5}, {3: -0.5}],
+            "finish_reason": "length",
+        }
+    ]
 
 
 def test_an_unreadable_message_is_skipped() -> None:
     async def main() -> list:
         import zmq
+
         inbox = TokenInbox()
         queue = inbox.open("a")
         rogue = zmq.Context.instance().socket(zmq.PUSH)

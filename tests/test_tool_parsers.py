@@ -5,15 +5,19 @@ import pytest
 from conveyor.deployments.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from conveyor.deployments.tool_parsers import HermesToolParser
 
-TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+TEXT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
 
 
 def test_parse_whole_text() -> None:
     content, calls = HermesToolParser().parse(TEXT)
     assert content.strip() == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
-                                                                  ("get_time", {"zone": "CET"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "CET"}),
+    ]
     assert len({c.id for c in calls}) == 2
     assert HermesToolParser().parse("plain <tool_call> broken") == ("plain <tool_call> broken", [])
 
@@ -23,11 +27,11 @@ def test_stream_matches_whole_parse(step: int) -> None:
     stream = HermesToolParser().stream()
     content, calls = "", []
     for i in range(0, len(TEXT), step):
-        text, new = stream.feed(TEXT[i:i + step])
+        text, new = stream.feed(TEXT[i : i + step])
         content, calls = content + text, calls + new
     content += stream.finish()
     whole_content, whole_calls = HermesToolParser().parse(TEXT)
-    assert content == TEXT[:TEXT.index("<tool_call>")] + "\n"
+    assert content == TEXT[: TEXT.index("<tool_call>")] + "\n"
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
 
 
@@ -40,8 +44,11 @@ def test_unclosed_call_stays_text_in_the_stream() -> None:
 
 def test_forced_tool_choice_grammar_names_the_function() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[tool, {**tool, "function": {
-        "name": "g"}}], tool_choice={"type": "function", "function": {"name": "g"}})
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        tools=[tool, {**tool, "function": {"name": "g"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}},
+    )
     assert isinstance(req.tool_choice, NamedToolChoice)
     forced = req.forced_tools()
     assert [t.function.name for t in forced] == ["g"]

@@ -1,5 +1,6 @@
 """Tensor parallelism over gloo with real Ray workers: TP=2 (and TP=4, KV heads replicated) gives the same greedy
 tokens and logits as TP=1 under chunking and preemption; bad configs are refused; dead workers fail fast."""
+
 import sys
 import threading
 import time
@@ -49,12 +50,14 @@ def assert_logprobs_close(got: list[list[dict[int, float]]], want: list[list[dic
         for g, w in zip(g_seq, w_seq):
             keys = sorted(w)
             assert sorted(g) == keys
-            torch.testing.assert_close(torch.tensor([g[k] for k in keys]), torch.tensor([w[k] for k in keys]),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor([g[k] for k in keys]), torch.tensor([w[k] for k in keys]), rtol=1e-4, atol=1e-4
+            )
 
 
-@pytest.mark.parametrize("model,tp", [("demo:llama-tiny", 2), ("demo:qwen2-tiny", 2), ("demo:qwen3-tiny", 2),
-                                      ("demo:llama-tiny-tied", 4)])
+@pytest.mark.parametrize(
+    "model,tp", [("demo:llama-tiny", 2), ("demo:qwen2-tiny", 2), ("demo:qwen3-tiny", 2), ("demo:llama-tiny-tied", 4)]
+)
 def test_tp_matches_tp1(model: str, tp: int) -> None:
     prompts = prompt_ids(model)
     ref = LLM(model, dtype="float32")
@@ -80,9 +83,18 @@ def test_tp2_chunked_and_preempted(mode: str) -> None:
     model = "demo:qwen3-tiny"
     prompts = prompt_ids(model)
     want, _ = engine_greedy(model, prompts, 2 * MAX_TOKENS)
-    got, llm = engine_greedy(model, prompts, 2 * MAX_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=7,
-                             num_blocks=20, block_size=8, preemption_mode=mode, swap_space=2 ** 20,
-                             enable_prefix_caching=False)
+    got, llm = engine_greedy(
+        model,
+        prompts,
+        2 * MAX_TOKENS,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=7,
+        num_blocks=20,
+        block_size=8,
+        preemption_mode=mode,
+        swap_space=2**20,
+        enable_prefix_caching=False,
+    )
     try:
         assert llm.engine.stats().num_preemptions > 0
         assert got == want
@@ -118,6 +130,7 @@ class Replica:
 def test_workers_join_the_callers_placement_group() -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
     strategy = PlacementGroupSchedulingStrategy(pg, 0, placement_group_capture_child_tasks=True)

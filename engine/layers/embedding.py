@@ -18,7 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
-        param.data.copy_(loaded[self.start:self.start + self.per_rank])
+        param.data.copy_(loaded[self.start : self.start + self.per_rank])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

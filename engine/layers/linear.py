@@ -1,6 +1,7 @@
 """Linear layers sharded for tensor parallelism (identity sharding at tp=1).
 
 Each weight_loader receives a tensor or a safetensors slice and reads only this rank's part."""
+
 import time
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -15,7 +16,7 @@ from conveyor.engine.stats import cdiv
 
 
 def _rows(loaded, start: int, size: int) -> torch.Tensor:
-    return loaded[start:start + size]
+    return loaded[start : start + size]
 
 
 PLAIN_MARGIN = 1.25  # timings on a shared machine are noisy: packed, the usual winner, stays unless clearly beaten
@@ -39,6 +40,7 @@ class PackedWeight:
     """How a linear of `out_features` outputs runs on this CPU: inputs of up to `small_rows` rows through `small`
     (the C++ kernel of kernels/csrc/gemm.h, on its own panel layout `small_tensor`), from `min_rows` rows
     through oneDNN's blocked layout `tensor` (None: measured slower than plain here), F.linear otherwise."""
+
     tensor: torch.Tensor | None
     min_rows: int
     out_features: int
@@ -51,8 +53,9 @@ class PackedWeight:
         return self.tensor is None or self.min_rows > self.small_rows + 1
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T (+ bias), on CPU through the kernel measured fastest for its rows."""
     if packed is not None:
         if 0 < x.shape[0] <= packed.small_rows and x.dim() == 2:
@@ -93,8 +96,9 @@ def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None
     plain_wins = []
     for n in (32,) if ours else (1, 32):
         x = torch.randn(n, w.shape[1], dtype=w.dtype)
-        t_packed, t_plain = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                                     lambda: F.linear(x, w))
+        t_packed, t_plain = _seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), lambda: F.linear(x, w)
+        )
         plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
     *decode, batch = plain_wins
     small = dict(small=fused.gemm_packed, small_tensor=fused.pack_gemm(w), small_rows=SMALL_ROWS) if ours else {}
@@ -112,8 +116,9 @@ def pack_weights(model: nn.Module, fused: ModuleType | None = None) -> int:
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
     choice: dict[tuple, PackedWeight | None] = {}
-    shared = {p.data_ptr() for m in model.modules() if not getattr(m, "packable", False)
-              for p in m.parameters(recurse=False)}
+    shared = {
+        p.data_ptr() for m in model.modules() if not getattr(m, "packable", False) for p in m.parameters(recurse=False)
+    }
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -164,14 +169,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data[offset:offset + size].copy_(_rows(loaded, self.tp_rank * size, size))
+        param.data[offset : offset + size].copy_(_rows(loaded, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads; KV heads are replicated when tp > num_kv_heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
@@ -191,7 +195,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q if shard_id == "k" else q + kv
             size, start = kv, (self.tp_rank // self.kv_replicas) * kv
-        param.data[offset:offset + size].copy_(_rows(loaded, start, size))
+        param.data[offset : offset + size].copy_(_rows(loaded, start, size))
 
 
 class RowParallelLinear(nn.Module):
@@ -213,7 +217,7 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(loaded[:])
             return
         n = param.shape[1]
-        param.data.copy_(loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+        param.data.copy_(loaded[:, self.tp_rank * n : (self.tp_rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(matmul(x, self.weight, self.packed))

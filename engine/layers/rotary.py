@@ -4,9 +4,11 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-REFUSED = {"dynamic": "dynamic NTK: transformers recomputes its frequencies from each forward's sequence length, "
-                      "so cached keys depend on call history, which a paged KV cache cannot reproduce",
-           "longrope": "longrope switches frequency sets on the sequence length of each forward"}
+REFUSED = {
+    "dynamic": "dynamic NTK: transformers recomputes its frequencies from each forward's sequence length, "
+    "so cached keys depend on call history, which a paged KV cache cannot reproduce",
+    "longrope": "longrope switches frequency sets on the sequence length of each forward",
+}
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -20,8 +22,9 @@ def check_rope(config: PretrainedConfig) -> None:
     kind = rope_parameters(config)["rope_type"]
     if kind not in ROPE_TYPES:
         why = REFUSED.get(kind, "unknown to this engine")
-        raise ValueError(f"rope_scaling.rope_type {kind!r} is not supported ({why}); "
-                         f"supported: {', '.join(ROPE_TYPES)}")
+        raise ValueError(
+            f"rope_scaling.rope_type {kind!r} is not supported ({why}); supported: {', '.join(ROPE_TYPES)}"
+        )
 
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -56,10 +59,13 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, heads, d], k: [T, kv_heads, d]."""
+
     def rotate(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
     return rotate(q), rotate(k)

@@ -1,4 +1,5 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flat packed batch of tokens."""
+
 from types import ModuleType
 
 import torch
@@ -30,20 +31,29 @@ class DecoderAttention(nn.Module):
         arch = config.architectures[0]
         self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False) or arch == "Qwen2ForCausalLM"
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=getattr(config, "attention_bias", False),
+        )
         self.qk_norm = arch == "Qwen3ForCausalLM"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ops)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, ops)
         self.fused_rope = fused_rope(ops, self.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """rope: this step's (cos, sin), or with the fused kernel (positions, the model's RotaryEmbedding).
         keep: K/V are stored for every token, the output computed only for the tokens at these indices."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -88,8 +98,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.fused)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -102,8 +118,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
         super().__init__()
@@ -116,8 +137,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states of every token, or with keep (and meta.sampled) of the tokens at those indices
         only: past the last layer's K/V nothing else is read, so the rest of it (attention, o_proj, MLP)
         and the final norm run on the sampled tokens alone."""
