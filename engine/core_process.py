@@ -53,7 +53,7 @@ def serve_core(
         priority = CorePriority(config.core_process_priority, threads)
         priority.refresh()  # after the model: torch's threads exist
         refreshed_at = time.monotonic()
-        freeze_startup_heap()
+        freeze_startup_heap(core)
         outputs.send(
             codec.encode(
                 CoreReady(core.block_manager.num_blocks, core.block_manager.num_swap_blocks, os.getpid(), core.stats())

@@ -40,7 +40,7 @@ class LLMEngine:
         self.num_blocks = self.core.num_blocks
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
         self.processor = OutputProcessor(self.tokenizer)
-        freeze_startup_heap()
+        freeze_startup_heap(self)
 
     @property
     def in_process(self) -> bool:
