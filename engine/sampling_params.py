@@ -12,8 +12,12 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite number that float32 holds: the sampler computes in float32 tensors."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= FLOAT32_MAX
 
 
 @dataclass
@@ -99,7 +103,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            _check(_is_num(getattr(self, name)), name, f"must be a number, got {getattr(self, name)!r}")
+            _check(_is_num(getattr(self, name)), name, f"must be a finite float32 number, got {getattr(self, name)!r}")
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             _check(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
         _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")

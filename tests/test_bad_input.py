@@ -63,6 +63,8 @@ JSON_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     (COMP, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     (COMP, {"prompt": "x", "frequency_penalty": -2.5}, 400, "frequency_penalty"),
     (COMP, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (COMP, {"prompt": "x", "repetition_penalty": 3e300}, 400, "repetition_penalty"),  # beyond float32
+    (COMP, {"prompt": "x", "temperature": 1e39}, 400, "temperature"),
     (COMP, {"prompt": "x", "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
     (COMP, {"prompt": "x", "seed": "x"}, 400, "seed"),
     (COMP, {"prompt": "x", "stream": [1]}, 400, "stream"),
