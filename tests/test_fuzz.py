@@ -18,13 +18,27 @@ CALL_TIMEOUT_S = 60
 MAX_EXAMPLES = 30
 OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
 DEFAULT_MAX_TOKENS = 8
+MAX_TOKENS_PER_CASE = 512
 
 
 def bounded(case: Any) -> Any:
-    """A body that names no length gets 8 tokens, not the rest of the context: the examples stay cheap on
-    2 cores, while every length that hypothesis does generate is sent as it is."""
-    if isinstance(case.body, dict) and not {"max_tokens", "max_completion_tokens"} & set(case.body):
-        case.body["max_tokens"] = DEFAULT_MAX_TOKENS
+    """Keeps each example's work within the client timeout on 2 cores: a body that names no length (or null) gets
+    8 tokens, not the rest of the context, and a valid length is cut so that n x length stays within
+    MAX_TOKENS_PER_CASE (the app runs one sequence at a time). Every other field, and every invalid length,
+    is sent as hypothesis generated it."""
+    body = case.body
+    if not isinstance(body, dict):
+        return case
+    keys = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if not keys:
+        body["max_tokens"] = DEFAULT_MAX_TOKENS
+        keys = ["max_tokens"]
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    for key in keys:
+        length = body[key]
+        if isinstance(length, int) and not isinstance(length, bool) and n * length > MAX_TOKENS_PER_CASE:
+            body[key] = max(1, MAX_TOKENS_PER_CASE // n)
     return case
 
 

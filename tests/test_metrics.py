@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conveyor.cluster.admission_actor import AdmissionActor
 from conveyor.deployments.metrics import ReplicaMetrics, RouterMetrics, render
 from conveyor.engine import LLM, EngineStats, SamplingParams
-from tests.serve_app import App, app_at
+from tests.serve_app import App, app_at, wait_for
 
 
 def samples(text: str | bytes) -> dict[tuple[str, frozenset], float]:
@@ -136,6 +136,8 @@ def app() -> Iterator[App]:
         )
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 120)
+        # both routers' admission views hold the replica (/v1/models answers before its first report)
+        assert wait_for(lambda: all(httpx.get(f"{url}/v1/cluster").json()["totals"]["replicas"] for _ in range(4)), 60)
         app = app_at(url)
         app.port = port
         yield app
@@ -174,7 +176,9 @@ def test_served_metrics_follow_requests_and_count_every_response(app: App) -> No
 
             async def one(b: dict) -> dict:
                 if not b["stream"]:
-                    return (await client.post("/v1/completions", json=b)).json()["usage"]
+                    r = await client.post("/v1/completions", json=b)
+                    assert r.status_code == 200, r.text
+                    return r.json()["usage"]
                 async with client.stream("POST", "/v1/completions", json=b) as r:
                     events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
                 return events[-1]["usage"]
