@@ -56,7 +56,6 @@ class AdmissionConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
-    count_output_blocks: bool = True  # KV demand includes running and admitted requests' likely output growth
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
@@ -65,7 +64,6 @@ class AdmissionConfig:
     placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
     hot_window_s: float = 10.0
     hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
-    leases: bool = True  # several routers: each commits only its lease of a replica's headroom (cluster.leases)
     lease_s: float = 1.0
     # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: 277 -> 150 ms/s of idle CPU,
     # but the routing bench's first round after idling lost hit rate in 6 of 9 runs with it, 0 of 8 without
@@ -203,20 +201,18 @@ class AdmissionController:
         )
 
     def room(self, replica_id: str) -> int:
+        """Free blocks less waiting prompts, reservations and every running and waiting request's likely output
+        growth."""
         e, bs = self.replicas[replica_id], self.config.block_size
-        growth = 0
-        if self.config.count_output_blocks:
-            growth = e.stats.num_growth_blocks
-            if growth is None:
-                growth = cdiv(sum(e.stats.tokens_left), bs)
+        growth = e.stats.num_growth_blocks
+        if growth is None:
+            growth = cdiv(sum(e.stats.tokens_left), bs)
         return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
 
     def output_blocks(self, replica_id: str, max_tokens: int, num_seqs: int = 1) -> int:
-        """With `count_output_blocks`, the blocks a request's outputs are charged on the replica: each sequence's
-        likely length there (the quantile of its recent outputs, or its prior while cold: engine.output_lengths),
-        at most max_tokens; max_tokens from a replica that does not report one."""
-        if not self.config.count_output_blocks:
-            return 0
+        """The blocks a request's outputs are charged on the replica: each sequence's likely length there (the
+        quantile of its recent outputs, or its prior while cold: engine.output_lengths), at most max_tokens;
+        max_tokens from a replica that does not report one."""
         likely = self.replicas[replica_id].stats.likely_output_tokens
         return num_seqs * num_blocks(min(max_tokens, likely) if likely else max_tokens, self.config.block_size)
 
@@ -313,8 +309,8 @@ class AdmissionController:
     ) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
-        keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged with
-        `count_output_blocks` (output_blocks).
+        keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged as
+        its likely output (output_blocks).
         Admitted: the replicas with room, best first (the KV-aware router's score); with `max_queue_time_s`,
         only those whose queue time is within it, else a refusal `queue_time` whose Retry-After is when the
         shortest queue is due to be back within it."""
