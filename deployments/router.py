@@ -211,7 +211,7 @@ class Router:
                 prompts[0],
                 self.block_size,
                 d.replicas,
-                self.gate.controller.pressures(self.gate.clock()),
+                self.gate.controller.kv_demands(self.gate.clock()),
                 cached_blocks=d.cached_blocks,
                 keys=keys,
             )

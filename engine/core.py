@@ -201,7 +201,6 @@ class EngineCore:
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self.compiling),
             num_waiting_tokens=waiting_tokens,
-            kv_blocks_demand=kv.num_blocks - kv.num_free_blocks + kv.blocks_for(waiting_tokens) + growth,
             num_swapped=len(s.swapped),
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,

@@ -430,7 +430,7 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     running = math.ceil((20 + 30) / 16) - 2  # 4 blocks at max_tokens, 2 held
     waiting = math.ceil((40 + 100) / 16) - math.ceil(40 / 16)  # its prompt's 3 blocks are in num_waiting_tokens
     assert s.num_growth_blocks == running + waiting == 2 + 6
-    assert s.kv_blocks_demand == s.kv_blocks_used + math.ceil(s.num_waiting_tokens / 16) + 8  # autoscaling's metric
+    assert s.demand_blocks() == s.kv_blocks_used + math.ceil(s.num_waiting_tokens / 16) + 8  # autoscaling's metric
     c = AdmissionController()
     c.update(ReplicaStats.from_engine("r", s), 0.0)
     assert c.room("r") == s.kv_blocks_free - math.ceil(s.num_waiting_tokens / 16) - 8
