@@ -369,7 +369,7 @@ async def sample_pressure(actor: Any, stop: asyncio.Event, every_s: float, out: 
         out.append(
             (
                 time.perf_counter(),
-                {r["replica_id"]: r["pressure"] for r in snap["replicas"]},
+                {r["replica_id"]: r["kv_pressure"] for r in snap["replicas"]},
                 {
                     r["replica_id"]: (
                         r["num_running"],

@@ -1,17 +1,16 @@
 """Serving over HTTP (Ray Serve + OpenAI API) vs the offline engine on the same workload.
 
 Prints: offline tok/s with the engine core in this thread and in its own process; HTTP tok/s at saturation
-(whole responses and SSE streams; one app deployed at a time) for the default (core in its own process, token
-channel), the core in the replica's thread, streams without the token channel, gRPC handle transport, the
-single-deployment topology and a finer stream_interval (1); inter-chunk latency (ITL) p50/p99 under that load;
+(whole responses and SSE streams; one app deployed at a time) for the default (core in its own process), the
+core in the replica's thread and a finer stream_interval (1); inter-chunk latency (ITL) p50/p99 under that load;
 and, per app, interleaved request by request with a bare Serve app, the TTFT the Serve layer adds on loopback
 (HTTP TTFT minus the replica's own time to first deltas). Prefix caching is off: runs repeat the prompts.
---haproxy adds Ray Serve's HAProxy ingress (default app and single deployment), served by a second Ray
+--haproxy adds Ray Serve's HAProxy ingress (default app), served by a second Ray
 cluster in a subprocess (the flag is per cluster); --haproxy-only measures those rows alone, without the
 Serve-proxy cluster idling beside them. Rounds go over every app in turn. The client is aiohttp.
 
     python -m benchmarks.serving --haproxy  # 256 requests x 64 tokens, 64 in flight
-    python -m benchmarks.serving --quick  # minutes: 16 prompts x 16 tokens, one round, with/without token channel
+    python -m benchmarks.serving --quick  # minutes: 16 prompts x 16 tokens, one round, default and in-thread
 """
 
 import argparse
@@ -108,7 +107,6 @@ async def http_request(
 ROLES = (
     ("conveyor.engine.core_process", "core"),
     ("LLMReplica", "replica"),
-    ("LLMServer", "server"),
     ("Router", "router"),
     ("ProxyActor", "proxy"),
     ("bin/haproxy", "haproxy"),
@@ -215,13 +213,10 @@ def floor_app() -> Any:
 APPS = {  # route prefix -> AppArgs overrides; "/" is the default configuration
     "/": {},
     "/inthread/": {"engine_core_process": False},
-    "/grpc/": {"handle_transport": "grpc"},
-    "/nochannel/": {"token_channel": False},
-    "/single/": {"topology": "single", "request_router": None},
 }
 
 
-QUICK_APPS = {k: APPS[k] for k in ("/", "/nochannel/")}
+QUICK_APPS = {k: APPS[k] for k in ("/", "/inthread/")}
 
 
 def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -262,7 +257,7 @@ def start_ray(args: argparse.Namespace, port: int) -> None:
 
 
 def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """--quick: the default and the default without the token channel (each app loads a model replica)."""
+    """--quick: the default and the core in the replica's thread (each app loads a model replica)."""
     extra = {f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}
     apps = {**(QUICK_APPS if args.quick else APPS), **extra}
     return apps if args.apps is None else {k: v for k, v in apps.items() if k in args.apps}
@@ -441,9 +436,6 @@ def main() -> None:
     names = {
         "/inthread/": "today (core in replica thread)",
         "/": "default (core process)",
-        "/nochannel/": "no token channel",
-        "/grpc/": "gRPC handle transport",
-        "/single/": "single deployment",
         **{f"/si{k}/": f"stream_interval={k}" for k in args.stream_intervals},
     }
     url, child = f"http://127.0.0.1:{args.port}", None
@@ -482,10 +474,7 @@ def main() -> None:
                 measure(names[prefix], f"{url}{prefix}", f"{url}/floor/")
                 serve.delete(app)
             if child is not None:
-                for prefix, name in (
-                    ("/", "HAProxy ingress, default app"),
-                    ("/single/", "HAProxy ingress, single deployment"),
-                ):
+                for prefix, name in (("/", "HAProxy ingress, default app"),):
                     if args.apps is not None and prefix not in args.apps:
                         continue
                     haproxy_deploy(child, prefix)

@@ -2,8 +2,8 @@
 
 Dispatch overhead is the round trip of a step with no model work (a SchedulerOutput listing --num-prompts
 request ids: driver -> every rank -> rank 0's reply back), i.e. what TP adds to every step (target <= 1 ms at
-TP=2). Compared: socket (default: pickled delta over one TCP connection per rank), remote (.remote() per rank
-per step), dag (Ray Compiled Graph). "idle CPU/rank" is what a rank burns while waiting for the next step.
+TP=2; the step goes as a pickled delta over one TCP connection per rank). "idle CPU/rank" is what a rank burns
+while waiting for the next step.
 
     python -m benchmarks.tp --model demo:small --num-prompts 16 --max-tokens 32
 """
@@ -76,18 +76,14 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--dispatch", default="socket,remote,dag", help="TP>1 dispatch modes to compare")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for TP=1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    from conveyor.engine.tp_executor import TPExecutor
-
     opts = dict(dtype="float32", max_num_seqs=args.num_prompts, max_model_len=256, enable_prefix_caching=False)
     rows = []
     try:
-        for tp, mode in [(1, "-")] + [(2, m) for m in args.dispatch.split(",")]:
-            TPExecutor.dispatch = mode
+        for tp in (1, 2):
             llm = LLM(args.model, tensor_parallel_size=tp, **opts)
             try:
                 p50, p90 = dispatch_overhead_ms(llm, args.steps, args.num_prompts)
@@ -95,19 +91,16 @@ def main() -> None:
                 tps, step_ms = throughput(llm, args)
             finally:
                 llm.engine.shutdown()
-            rows.append((tp, mode, p50, p90, idle, tps, step_ms))
+            rows.append((tp, p50, p90, idle, tps, step_ms))
     finally:
         ray.shutdown()
     print(
         f"\n{args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, float32, "
         f"{args.threads} torch thread(s) per rank, {os.cpu_count()} CPUs"
     )
-    print(
-        f"{'TP':>3} {'dispatch':>8} {'overhead p50 ms':>16} {'p90 ms':>8} {'idle CPU/rank':>14} {'tokens/s':>10} "
-        f"{'ms/step':>9}"
-    )
-    for tp, mode, p50, p90, idle, tps, step_ms in rows:
-        print(f"{tp:>3} {mode:>8} {p50:>16.3f} {p90:>8.3f} {idle:>13.0f}% {tps:>10.1f} {step_ms:>9.1f}")
+    print(f"{'TP':>3} {'overhead p50 ms':>16} {'p90 ms':>8} {'idle CPU/rank':>14} {'tokens/s':>10} {'ms/step':>9}")
+    for tp, p50, p90, idle, tps, step_ms in rows:
+        print(f"{tp:>3} {p50:>16.3f} {p90:>8.3f} {idle:>13.0f}% {tps:>10.1f} {step_ms:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -25,20 +25,7 @@ from conveyor.cluster.reservations import Reservation, ReservationBook, SettleRu
 from conveyor.cluster.score import replica_score
 from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
 from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
-from conveyor.engine.stats import DEFAULT_BLOCK_SIZE, cdiv
-
-
-def waiting_blocks(stats: ReplicaStats, rates: Rates, block_size: int) -> int:
-    """Blocks the engine's waiting queue will take: its prompt tokens (the engine counts their cached part too)
-    times the measured prefix-cache miss ratio."""
-    return num_blocks(math.ceil(stats.num_waiting_tokens * rates.miss_ratio), block_size)
-
-
-def demand(stats: ReplicaStats, rates: Rates, block_size: int) -> float:
-    """KV demand / capacity, as `ReplicaStats.pressure` but with `waiting_blocks`: what the watermarks compare."""
-    if not stats.kv_blocks_total:
-        return 1.0
-    return (stats.kv_blocks_used + waiting_blocks(stats, rates, block_size)) / stats.kv_blocks_total
+from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -56,7 +43,6 @@ class AdmissionConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     saturate_on_preemption: bool = True
     max_queue_time_s: float = 0.0
-    count_output_blocks: bool = True  # KV demand includes running and admitted requests' likely output growth
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
@@ -65,7 +51,6 @@ class AdmissionConfig:
     placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
     hot_window_s: float = 10.0
     hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
-    leases: bool = True  # several routers: each commits only its lease of a replica's headroom (cluster.leases)
     lease_s: float = 1.0
     # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: 277 -> 150 ms/s of idle CPU,
     # but the routing bench's first round after idling lost hit rate in 6 of 9 runs with it, 0 of 8 without
@@ -123,11 +108,11 @@ class AdmissionController:
 
     def update(self, stats: ReplicaStats, now: float, kv_events: dict[str, Any] | None = None) -> bool:
         """Takes a stats push (and its KV events); True when the replica must list its KV keys (reset)."""
-        prev, bs = self.replicas.get(stats.replica_id), self.config.block_size
+        prev = self.replicas.get(stats.replica_id)
         if prev is not None and stats.timestamp < prev.stats.timestamp:
             return False
         rates = prev.rates.update(prev.stats, stats, self.config.rate_window_s) if prev else Rates()
-        saturated = self.config.watermarks.saturated(prev.saturated if prev else False, demand(stats, rates, bs))
+        saturated = self.config.watermarks.saturated(prev.saturated if prev else False, self.kv_pressure(stats, rates))
         if self.config.saturate_on_preemption and prev and stats.num_preemptions > prev.stats.num_preemptions:
             saturated = True
         self.replicas[stats.replica_id] = ReplicaEntry(stats, now, saturated, rates)
@@ -141,6 +126,12 @@ class AdmissionController:
         return self.kv.apply(
             stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()), bool(kv_events.get("reset"))
         )
+
+    @staticmethod
+    def kv_pressure(stats: ReplicaStats, rates: Rates) -> float:
+        """What the watermarks compare, exported as `kv_pressure`: the replica's, at its measured prefix-cache
+        misses."""
+        return stats.kv_pressure(rates.miss_ratio)
 
     def _settle(self, replica_id: str, now: float) -> None:
         """Drop reservations the replica's stats already include (cluster.reservations)."""
@@ -203,20 +194,15 @@ class AdmissionController:
         )
 
     def room(self, replica_id: str) -> int:
-        e, bs = self.replicas[replica_id], self.config.block_size
-        growth = 0
-        if self.config.count_output_blocks:
-            growth = e.stats.num_growth_blocks
-            if growth is None:
-                growth = cdiv(sum(e.stats.tokens_left), bs)
-        return e.stats.kv_blocks_free - waiting_blocks(e.stats, e.rates, bs) - self.reserved(replica_id)[0] - growth
+        """The cache less the replica's KV demand (EngineStats.demand_blocks, at its measured prefix-cache misses)
+        and the reservations its stats cannot include yet."""
+        e = self.replicas[replica_id]
+        return e.stats.kv_blocks_total - e.stats.demand_blocks(e.rates.miss_ratio) - self.reserved(replica_id)[0]
 
     def output_blocks(self, replica_id: str, max_tokens: int, num_seqs: int = 1) -> int:
-        """With `count_output_blocks`, the blocks a request's outputs are charged on the replica: each sequence's
-        likely length there (the quantile of its recent outputs, or its prior while cold: engine.output_lengths),
-        at most max_tokens; max_tokens from a replica that does not report one."""
-        if not self.config.count_output_blocks:
-            return 0
+        """The blocks a request's outputs are charged on the replica: each sequence's likely length there (the
+        quantile of its recent outputs, or its prior while cold: engine.output_lengths), at most max_tokens;
+        max_tokens from a replica that does not report one."""
         likely = self.replicas[replica_id].stats.likely_output_tokens
         return num_seqs * num_blocks(min(max_tokens, likely) if likely else max_tokens, self.config.block_size)
 
@@ -279,19 +265,19 @@ class AdmissionController:
         cfg, e = self.config, self.replicas[replica_id]
         affinity = (cached or 0) / len(keys) if keys else 0.0
         load = e.stats.num_running + e.stats.num_waiting + self.reserved(replica_id)[1]
-        return replica_score(cfg, affinity, self.pressure(replica_id), load)
+        return replica_score(cfg, affinity, self.kv_demand(replica_id), load)
 
     def idle(self) -> bool:
         """No replica runs or queues a request, and no reservation is outstanding."""
         return all(e.stats.idle and not self.reserved(rid)[1] for rid, e in self.replicas.items())
 
-    def pressure(self, replica_id: str) -> float:
-        """KV demand / capacity, counting this controller's reservations."""
+    def kv_demand(self, replica_id: str) -> float:
+        """The replica's KV demand over its cache as `room` counts it: with reservations, for routing."""
         total = self.replicas[replica_id].stats.kv_blocks_total
         return 1.0 - self.room(replica_id) / total if total else 1.0
 
-    def pressures(self, now: float) -> dict[str, float]:
-        return {rid: self.pressure(rid) for rid, e in self.replicas.items() if self.fresh(e, now)}
+    def kv_demands(self, now: float) -> dict[str, float]:
+        return {rid: self.kv_demand(rid) for rid, e in self.replicas.items() if self.fresh(e, now)}
 
     def reserve(
         self, replica_id: str, num_blocks: int, now: float, requests: int = 1, keys: Sequence[bytes] = ()
@@ -313,8 +299,8 @@ class AdmissionController:
     ) -> Decision:
         """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
-        keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged with
-        `count_output_blocks` (output_blocks).
+        keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged as
+        its likely output (output_blocks).
         Admitted: the replicas with room, best first (the KV-aware router's score); with `max_queue_time_s`,
         only those whose queue time is within it, else a refusal `queue_time` whose Retry-After is when the
         shortest queue is due to be back within it."""
@@ -408,7 +394,7 @@ class AdmissionController:
                     "fresh": self.fresh(e, now),
                     "admitting": self.open(e, now),
                     "room_blocks": self.room(rid),
-                    "pressure": e.stats.pressure(),
+                    "kv_pressure": self.kv_pressure(e.stats, e.rates),
                     "reserved_blocks": blocks,
                     "reserved_requests": requests,
                     "rates": e.rates.to_dict(),
@@ -492,7 +478,7 @@ def prometheus_text(snapshot: dict[str, Any], prefix: str = "conveyor") -> str:
     lines: list[str] = []
     per_replica = [
         ("kv_cache_utilization", "kv_cache_utilization"),
-        ("pressure", "kv_pressure"),
+        ("kv_pressure", "kv_pressure"),
         ("kv_blocks_free", "kv_blocks_free"),
         ("num_running", "running_requests"),
         ("num_waiting", "waiting_requests"),

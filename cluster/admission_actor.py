@@ -55,8 +55,8 @@ class AdmissionActor:
     ) -> dict[str, Any]:
         """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
         keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
-        "routers": how many routers synced in the last `ROUTER_TTL_S`, and with `leases` on, "lease": the
-        router's new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: what
+        "routers": how many routers synced in the last `ROUTER_TTL_S`, and for a router that names itself,
+        "lease": its new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: what
         its request refused for want of lease needs)."""
         now = self.clock()
         if router_id is not None:
@@ -67,9 +67,8 @@ class AdmissionActor:
         snap = self.snapshot()
         snap["kv"] = self.controller.kv_snapshot(kv_since)
         snap["routers"] = max(1, len(self.routers))
-        cfg = self.controller.config
-        if router_id is not None and cfg.leases:
-            self.leases.ttl_s = cfg.lease_s
+        if router_id is not None:
+            self.leases.ttl_s = self.controller.config.lease_s
             headroom = {rid: self.controller.headroom(rid) for rid in self.controller.replicas}
             snap["lease"] = self.leases.grant(router_id, headroom, now, demand, len(self.routers), short)
         return snap

@@ -8,12 +8,13 @@ Wiring (Ray Serve 2.60):
   Ray's controller polls it and hands it to the router as `RunningReplica.routing_stats`.
 - Caller (router deployment): pass a `RoutingHint` as the keyword argument `routing_hint` of the
   handle call, e.g. `handle.generate.remote(request, routing_hint=RoutingHint.from_token_ids(ids,
-  16, decision.replicas, admission.pressures(now)))`. The replica method must accept (and may
+  16, decision.replicas, admission.kv_demands(now)))`. The replica method must accept (and may
   ignore) `routing_hint`. A positional hint is found too. No hint: load-only routing. Ray ships
   this module to the caller's process by value, so hints are recognised by shape, not class.
 - Load is Ray's own in-flight count per replica (fresh) when known, else the routing stats (up to
-  a period old); KV pressure is admission's (fresher, counts just-admitted prompts) when the hint
-  carries it, else the routing stats'.
+  a period old); the pressure the router's watermarks compare is admission's KV demand (fresher, counts
+  just-admitted prompts and likely growth: AdmissionController.kv_demand) when the hint carries it, else
+  the routing stats' `kv_pressure()`.
 - Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
   admission (`serve.get_replica_context().replica_id.unique_id`).
 - With a hint from admission, the router follows admission's ranking (`follow_admission`): admission
@@ -42,7 +43,7 @@ MAX_PREFIX_BLOCKS = 256
 @dataclass(frozen=True)
 class RoutingHint:
     """What the caller knows: the prompt's block keys, and from admission (fresher than routing stats)
-    the replicas with room for it, each replica's KV pressure including prompts just admitted, and the
+    the replicas with room for it, each replica's KV demand including prompts just admitted, and the
     leading blocks of the prompt each reported replica really holds."""
 
     prefix_hashes: tuple[bytes, ...] = ()
@@ -131,7 +132,7 @@ def score_replicas(
     out = []
     for c in candidates:
         s = c.stats
-        pressure = c.pressure if c.pressure is not None else s.pressure() if s else 0.0
+        pressure = c.pressure if c.pressure is not None else s.kv_pressure() if s else 0.0
         load = c.ongoing if c.ongoing is not None else s.num_running + s.num_waiting if s else 0
         held = cached_blocks.get(c.replica_id)
         held = index.match(c.replica_id, prefix_hashes) if held is None else held

@@ -5,55 +5,39 @@ The replica id is `serve.get_replica_context().replica_id.unique_id` everywhere 
 """
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Sequence
 
 from conveyor.engine import prefix_hash
-from conveyor.engine.stats import DEFAULT_BLOCK_SIZE, EngineStats, KVUsage, cdiv
+from conveyor.engine.stats import EngineStats, cdiv
 
 
 @dataclass(frozen=True)
-class ReplicaStats(KVUsage):
+class ReplicaStats(EngineStats):
+    """One replica's EngineStats as the cluster layer reads them, from a dict (`from_dict`)."""
+
     replica_id: str
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_tokens: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_finished: int = 0
-    num_added: int | None = None  # None: a replica that does not report it (reservations settle by time)
-    max_num_seqs: int = 0
-    block_size: int = DEFAULT_BLOCK_SIZE  # the replica engine's: every block count here is in these
-    busy_time_s: float = 0.0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_steps: int = 0
-    tokens_left: tuple[int, ...] = ()
-    num_growth_blocks: int | None = None  # None: a replica that does not report it (growth from tokens_left)
-    likely_output_tokens: int = 0  # 0: not known (a request is charged its max_tokens)
-    timestamp: float = 0.0
+    # None: a replica that does not report it (reservations settle by time)
+    num_added: int | None = field(default=None, kw_only=True)
+    # None: a replica that does not report it (growth from tokens_left)
+    num_growth_blocks: int | None = field(default=None, kw_only=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ReplicaStats":
         known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known and v is not None}
-        kw["replica_id"] = str(d["replica_id"])
-        kw["tokens_left"] = tuple(kw.get("tokens_left", ()))
-        return cls(**kw)
+        return cls(
+            **{k: v for k, v in d.items() if k in known and v is not None} | {"replica_id": str(d["replica_id"])}
+        )
 
     @classmethod
     def from_engine(cls, replica_id: str, stats: EngineStats) -> "ReplicaStats":
         return cls.from_dict({**stats.to_dict(), "replica_id": replica_id})
 
-    def waiting_blocks(self) -> int:
-        return num_blocks(self.num_waiting_tokens, self.block_size)
-
-    def room_blocks(self) -> int:
-        """Free blocks left once the already-waiting prompts are placed."""
-        return self.kv_blocks_free - self.waiting_blocks()
+    @property
+    def growth_blocks(self) -> int:
+        if self.num_growth_blocks is None:
+            return num_blocks(sum(self.tokens_left), self.block_size)
+        return self.num_growth_blocks
 
     @property
     def idle(self) -> bool:
@@ -62,12 +46,6 @@ class ReplicaStats(KVUsage):
     def idle_since(self, earlier: "ReplicaStats") -> bool:
         """Nothing ran, waited or changed between `earlier` and this snapshot."""
         return self.idle and replace(self, timestamp=earlier.timestamp) == earlier
-
-    def pressure(self) -> float:
-        """KV demand / capacity: used blocks plus blocks the waiting queue will need. May exceed 1."""
-        if not self.kv_blocks_total:
-            return 1.0
-        return (self.kv_blocks_used + self.waiting_blocks()) / self.kv_blocks_total
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:
@@ -144,6 +122,6 @@ def push_due(
         return now - last_push_at >= idle_interval_s or not current.idle_since(last)
     if current.num_preemptions != last.num_preemptions:
         return True
-    if abs(current.pressure() - last.pressure()) >= big_change:
+    if abs(current.kv_pressure() - last.kv_pressure()) >= big_change:
         return True
     return current.num_waiting > 0 and last.num_waiting == 0

@@ -1,4 +1,5 @@
-"""KV-demand watermarks with hysteresis: the one definition admission and routing share."""
+"""KV watermarks with hysteresis: the one definition admission and routing share. Admission compares each
+replica's `kv_pressure` (EngineStats.kv_pressure at its measured prefix-cache misses, exported under that name)."""
 
 from dataclasses import dataclass
 

@@ -1,7 +1,7 @@
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -84,9 +84,6 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     stream_interval: int = Field(4, ge=1)
     engine_core_process: bool = True
-    topology: Literal["handle", "single"] = "handle"
-    handle_transport: Literal["by_reference", "grpc"] = "by_reference"
-    token_channel: bool = True
     user_code_thread: bool = False
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
@@ -132,10 +129,6 @@ class AppArgs(BaseModel):
             check_fields("admission", AdmissionConfig, self.admission, ("block_size",))
         elif self.max_queue_time_s is not None:
             raise ValueError("max_queue_time_s: needs admission (it is off)")
-        if self.request_router is not None and self.topology == "single":
-            raise ValueError(
-                "request_router: must be null with topology: single (the proxy routes to the one deployment)"
-            )
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
@@ -226,9 +219,8 @@ class AppArgs(BaseModel):
 
 
 def build_app(args: AppArgs) -> Application:
-    """topology "handle": Router -> (deployment handle, by reference or gRPC) -> LLMReplica, a stream's later
-    chunks over the token channel unless token_channel is false; "single": one deployment
-    (deployments/server.py) holds both, no handle hop."""
+    """Router -> (one deployment handle call per request) -> LLMReplica; a stream's chunks come back over the
+    token channel (deployments/token_channel.py)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     push = args.stats_push_s if args.admission is not None else 0.0
     # an idle replica's last push, as a quiet router's view holds it (synced every staleness/3), stays under the
@@ -243,7 +235,12 @@ def build_app(args: AppArgs) -> Application:
         engine_core_process=args.engine_core_process,
         heartbeat_s=heartbeat,
     )
-    router_args = (
+    router = Router.options(
+        num_replicas=args.router_replicas,
+        ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": args.serve_env()}},
+    )
+    return router.bind(
+        LLMReplica.options(**args.replica_options()).bind(**replica_args),
         args.model,
         args.served_model_name,
         args.admission is not None,
@@ -252,20 +249,7 @@ def build_app(args: AppArgs) -> Application:
         args.template_text(),
         args.tool_call_parser,
         GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
-        args.token_channel and args.topology == "handle",
     )
-    if args.topology == "single":
-        from conveyor.deployments.server import LLMServer
-
-        server = serve.deployment(name="LLMServer", health_check_period_s=5)(LLMServer)
-        return server.options(**args.replica_options()).bind(replica_args, *router_args)
-    replica = LLMReplica.options(**args.replica_options()).bind(**replica_args)
-    env = {**args.serve_env(), **({"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"} if args.handle_transport == "grpc" else {})}
-    router = Router.options(
-        num_replicas=args.router_replicas,
-        ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": env}},
-    )
-    return router.bind(replica, *router_args)
 
 
 def deploy(args: AppArgs | dict[str, Any], name: str = "default") -> DeploymentHandle:

@@ -222,7 +222,7 @@ def sections() -> tuple[Section, ...]:
         Section(
             RouterConfig,
             "`args.request_router`: the KV-aware request router (`null`: Ray Serve's default "
-            "router; required with `topology: single`). `block_size` follows `engine.block_size`.",
+            "router). `block_size` follows `engine.block_size`.",
         ),
         Section(
             KVScalingConfig,

@@ -415,7 +415,7 @@ class GenerateRequest(BaseModel):
     priority: int = 0
     stream: bool = True
     cache_salt: str | None = None
-    reply_to: str | None = None  # the router's token channel (deployments/token_channel.py); None: all via Serve
+    reply_to: str | None = None  # the router's token channel (deployments/token_channel.py); None: not streamed
 
 
 class Delta(TypedDict):

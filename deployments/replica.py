@@ -203,21 +203,12 @@ class LLMReplica:
             for rid in live.values():
                 await self.engine.abort(rid)
 
-    async def generate(
-        self, req: GenerateRequest, routing_hint: RoutingHint | None = None, received_at: float | None = None
-    ) -> AsyncIterator[Chunk]:
-        """The chunks over the handle stream. The router has validated `req` (engine.limits, with this
-        replica's info())."""
-        async with aclosing(self.chunks(req, received_at)) as chunks:
-            async for chunk in chunks:
-                yield chunk
-
     async def generate_to(
         self, req: GenerateRequest, routing_hint: RoutingHint | None = None, received_at: float | None = None
     ) -> Chunk:
-        """One call, no handle stream (`python -m benchmarks.serve_handle`: a Serve stream of two items costs
-        0.75-1.26 ms more CPU than a call): a stream's chunks, its first included, go to `req.reply_to` over the
-        token channel and the call returns how many were sent; a whole response is the call's result."""
+        """The request in one call: a stream's chunks, its first included, go to `req.reply_to` over the token
+        channel and the call returns how many were sent; a whole response is the call's result. The router has
+        validated `req` (engine.limits, with this replica's info())."""
         to, sent, chunk = (req.reply_to or None) if req.stream else None, 0, Chunk(deltas=[])
         async with aclosing(self.chunks(req, received_at)) as chunks:
             async for chunk in chunks:

@@ -77,13 +77,11 @@ class Router:
         chat_template: str | None = None,
         tool_call_parser: str = "hermes",
         guard: GuardConfig | None = None,
-        token_channel: bool = True,
     ) -> None:
         flush_at_warning()
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
         self.replica = replica
-        self.inbox = TokenInbox() if token_channel else None
-        self.streaming = replica.options(stream=True)
+        self.inbox = TokenInbox()
         self.model_name = served_model_name or model
         path = resolve_model(model, revision)
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoTokenizer would import torch
@@ -213,7 +211,7 @@ class Router:
                 prompts[0],
                 self.block_size,
                 d.replicas,
-                self.gate.controller.pressures(self.gate.clock()),
+                self.gate.controller.kv_demands(self.gate.clock()),
                 cached_blocks=d.cached_blocks,
                 keys=keys,
             )
@@ -246,16 +244,13 @@ class Router:
         )
 
     async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
-        """The replica's chunks: with the token channel, one handle call whose stream's chunks come over the
-        channel (a whole response is the call's result); without it, a handle stream."""
-        if self.inbox is None:
-            call = chunks = self.streaming.generate.remote(gen_req, routing_hint=hint, received_at=received_at)
-        else:
-            if gen_req.stream:
-                gen_req.reply_to = self.inbox.address
-                queue = self.inbox.open(gen_req.request_id)
-            call = self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
-            chunks = follow(call, queue) if gen_req.stream else one(call)
+        """The replica's chunks from one handle call: a stream's come over the token channel, a whole response
+        is the call's result. The call carries errors, cancellation and drain for both."""
+        if gen_req.stream:
+            gen_req.reply_to = self.inbox.address
+            queue = self.inbox.open(gen_req.request_id)
+        call = self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
+        chunks = follow(call, queue) if gen_req.stream else one(call)
         done = False
         self.drain.track(call)
         try:

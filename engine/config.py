@@ -66,7 +66,7 @@ class EngineConfig:
     # "high" (niceness 0), "low" (SCHED_IDLE), "auto": high while the node's cores leave a CPU to the rest
     core_process_priority: str = "auto"
     # a new request's likely output length until 16 requests have finished (engine/output_lengths.py): on a cold
-    # replica, admission's count_output_blocks charges a request min(max_tokens, this), not an unset max_tokens
+    # replica, admission charges a request's output min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256
     seed: int = 0
     model_runner_cls: str = "conveyor.engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class

@@ -15,7 +15,7 @@ from conveyor.engine.executor import make_executor
 from conveyor.engine.kv_events import KVEvents
 from conveyor.engine.messages import AddRequest, CoreOutput
 from conveyor.engine.output_lengths import OutputLengths
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scheduler import make_scheduler
 from conveyor.engine.sequence import Sequence, SequenceStatus
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.step import SchedulerOutput
@@ -39,7 +39,7 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.executor.num_blocks, config.block_size, config.enable_prefix_caching, self.executor.num_swap_blocks
         )
-        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids)
+        self.scheduler = make_scheduler(config, self.block_manager, eos_token_ids)
         self.scheduler.runner_batch = getattr(getattr(self.executor, "runner", None), "batch", None)
         self.tokenizer = tokenizer
         self._structured: "StructuredOutputManager | None" = None
@@ -84,13 +84,14 @@ class EngineCore:
     def finish_requests(
         self, request_ids: list[str], reason: str = "abort", stop_reasons: list[str | None] | None = None
     ) -> list[CoreOutput]:
-        """Abort, or finish with a stop string the front end found; a static batch may keep the slot."""
+        """Abort, or stop with a stop string the front end found (Scheduler.stop)."""
         outputs = []
+        end = self.scheduler.finish if reason == "abort" else self.scheduler.stop
         for rid, stop in zip(request_ids, stop_reasons or [None] * len(request_ids)):
             seq = self.scheduler.requests.get(rid) or self.compiling.pop(rid, (None, None))[0]
             if seq is None:
                 continue
-            self.scheduler.finish(seq, reason, stop)
+            end(seq, reason, stop)
             if seq.is_finished:
                 outputs.append(self._output(seq, {}))
         return outputs
@@ -137,8 +138,8 @@ class EngineCore:
         if so.grammar is not None:
             for rid in self._structured.accept(ro.req_ids, ro.token_ids):
                 seq = self.scheduler.requests.get(rid)
-                if seq is not None and seq.held_finish is None:
-                    self.scheduler.finish(seq, "stop")
+                if seq is not None:
+                    self.scheduler.stop(seq, "stop")
         logprobs = dict(zip(ro.req_ids, ro.logprobs)) if ro.logprobs.count(None) < len(ro.logprobs) else {}
         return failed + [self._output(seq, logprobs, now) for seq in changed]
 
@@ -157,7 +158,7 @@ class EngineCore:
             victims += self.scheduler.swapped
         outputs = []
         for seq in dict.fromkeys(s for s in victims if s is not None):
-            self.scheduler.finish(seq, "error", message, hold=False)
+            self.scheduler.finish(seq, "error", message)
             outputs.append(self._output(seq, {}))
         return outputs
 
@@ -200,7 +201,6 @@ class EngineCore:
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self.compiling),
             num_waiting_tokens=waiting_tokens,
-            kv_blocks_demand=kv.num_blocks - kv.num_free_blocks + kv.blocks_for(waiting_tokens) + growth,
             num_swapped=len(s.swapped),
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.num_free_blocks,

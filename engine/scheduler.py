@@ -1,6 +1,7 @@
 """Iteration-level scheduling. Each step every scheduled request gets
 min(num_tokens - num_computed_tokens, budget left, chunk cap) tokens: prefill, chunked prefill,
-decode and recompute after preemption are the same rule."""
+decode and recompute after preemption are the same rule. `make_scheduler` picks this or the static policy's
+subclass (engine/static_policy.py) by `scheduling_policy`."""
 
 import time
 from operator import attrgetter
@@ -25,10 +26,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self.static_batch: set[str] = set()
         self.watermark = Watermark(config.watermark, config.adaptive_watermark, kv.num_blocks)
         self.finished_for_runner: list[str] = []
-        self.released: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
         self.runner_batch: PersistentBatch | None = None  # the model runner's, in process: checked with the tables
@@ -50,7 +49,7 @@ class Scheduler:
 
     @staticmethod
     def _victim_key(seq: Sequence) -> tuple:
-        return seq.held_finish is not None, seq.priority, -seq.num_computed_tokens, seq.arrival_time
+        return seq.priority, -seq.num_computed_tokens, seq.arrival_time
 
     def _chunk(self, seq: Sequence, budget: int, partials: int) -> int:
         """Caps one request's chunk and the number of partial prefills (chunks leaving part of the prompt for
@@ -71,17 +70,23 @@ class Scheduler:
         self.finished_for_runner = []
         chunks: dict[str, ScheduledChunk] = {}
         self.running.sort(key=_run_order)
-        static = self.config.scheduling_policy == "static"
-        held = [s for s in self.running if s.held_finish is not None] if static else []
-        live = [s for s in self.running if s.held_finish is None] if held else list(self.running)
-        self.prefill_left = self._prefill_cap(live)
-        budget, partials, preempted = self._schedule_running(live, out, chunks, self.config.max_num_batched_tokens, 0)
+        self._schedule_step(list(self.running), out, chunks)
+        out.chunks = list(chunks.values())
+        return out
+
+    def _schedule_step(
+        self, running: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk]
+    ) -> tuple[int, int]:
+        """Running requests first, then admissions unless one was preempted; returns the budget and the number
+        of partial prefills after them."""
+        self.prefill_left = self._prefill_cap(running)
+        budget, partials, preempted = self._schedule_running(
+            running, out, chunks, self.config.max_num_batched_tokens, 0
+        )
         self.watermark.observe(preempted)
         if not preempted:
             budget, partials = self._admit(out, chunks, budget, partials)
-        self._schedule_running(held, out, chunks, budget, partials, may_preempt=False)
-        out.chunks = list(chunks.values())
-        return out
+        return budget, partials
 
     def _prefill_cap(self, live: list[Sequence]) -> int:
         cap, budget = self.config.max_prefill_tokens_while_decoding, self.config.max_num_batched_tokens
@@ -98,19 +103,21 @@ class Scheduler:
         partials: int,
         may_preempt: bool = True,
     ) -> tuple[int, int, bool]:
+        """Each request's next chunk; a chunk that does not fit preempts the worst running request (with
+        `may_preempt`, else it is skipped)."""
         preempted, kv, running = False, self.kv, SequenceStatus.RUNNING
         for seq in seqs:
             if seq.status is not running:
                 continue
             computed = seq.num_computed_tokens
             left = len(seq.token_ids) - computed
-            if left == 1 and budget > 0 and seq.held_finish is None and (ids := kv.allocate_decode(seq)) is not None:
+            if left == 1 and budget > 0 and (ids := kv.allocate_decode(seq)) is not None:
                 chunks[seq.request_id] = ScheduledChunk(seq.request_id, seq.token_ids[-1:], computed, ids, False, True)
                 seq.num_computed_tokens = computed + 1
                 budget -= 1
                 continue
             n = 1 if left == 1 and budget > 0 else self._chunk(seq, budget, partials)
-            if n == 0 or (seq.held_finish is not None and seq.num_tokens >= self.config.max_model_len):
+            if n == 0:
                 continue
             while (ids := self.kv.allocate(seq, n)) is None and may_preempt:
                 victim = max(self.running, key=self._victim_key)
@@ -139,22 +146,9 @@ class Scheduler:
         admitting past it would let a stream of later arrivals starve it. Only the partial-prefill cap
         lets a prompt that completes in one chunk pass one that would be split."""
         cfg = self.config
-        static = cfg.scheduling_policy == "static"
-        if (
-            static
-            and not self.running
-            and not self.swapped
-            and not self.static_batch.intersection(s.request_id for s in self.waiting)
-        ):
-            batch = sorted(self.waiting, key=self._wait_key)[: cfg.max_num_seqs]
-            self.static_batch = {s.request_id for s in batch}
         capped: set[Sequence] = set()
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            candidates = [
-                s
-                for s in self.swapped + self.waiting
-                if s not in capped and (not static or s.request_id in self.static_batch)
-            ]
+            candidates = self._candidates(capped)
             if not candidates:
                 break
             seq = min(candidates, key=self._wait_key)
@@ -171,7 +165,7 @@ class Scheduler:
             else:
                 ids = self.kv.allocate(seq, n, prefix, self._reserve())
             if ids is None:
-                if self._release_one_held():
+                if self._make_room():
                     continue
                 break
             if swapped:
@@ -189,6 +183,14 @@ class Scheduler:
             budget, partials = budget - n, partials + (n < seq.num_tokens - cached)
             self.prefill_left -= n
         return budget, partials
+
+    def _candidates(self, capped: set[Sequence]) -> list[Sequence]:
+        """Swapped and waiting requests that may be admitted now (`capped`: those the chunk caps hold back)."""
+        return [s for s in self.swapped + self.waiting if s not in capped]
+
+    def _make_room(self) -> bool:
+        """Frees blocks that no request's output needs, without preempting one; False when there are none."""
+        return False
 
     def _chunk_from(self, seq: Sequence, cached: int, budget: int, partials: int) -> int:
         computed, seq.num_computed_tokens = seq.num_computed_tokens, cached
@@ -220,8 +222,6 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        if seq.held_finish is not None:
-            return self._release(seq)
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -238,6 +238,12 @@ class Scheduler:
 
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
         """Append sampled tokens, finish sequences that stop; returns the sequences that changed."""
+        changed = self._accept(ro, now)
+        if self.config.check_invariants:
+            check_invariants(self, self.runner_batch)
+        return changed
+
+    def _accept(self, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
         changed = []
         requests, running = self.requests, SequenceStatus.RUNNING
         for rid, token in zip(ro.req_ids, ro.token_ids):
@@ -245,38 +251,30 @@ class Scheduler:
             if seq is None or seq.status is not running:
                 continue
             seq.token_ids.append(token)
-            if seq.held_finish is not None:
-                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._check_stop(seq, token)
             changed.append(seq)
-        self._release_static_batch()
-        released, self.released = self.released, []
-        if self.config.check_invariants:
-            check_invariants(self, self.runner_batch)
-        return list(dict.fromkeys(changed + released)) if released else changed
+        return changed
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p, num_tokens = seq.params, len(seq.token_ids)
         num_output = num_tokens - len(seq.prompt_token_ids)
         if num_output >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
-                return self.finish(seq, "stop")
+                return self.stop(seq, "stop")
             if token in p.stop_token_ids:
-                return self.finish(seq, "stop", token)
+                return self.stop(seq, "stop", token)
         if num_output >= p.max_tokens or num_tokens >= self.config.max_model_len:
-            self.finish(seq, "length")
+            self.stop(seq, "length")
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, hold: bool = True) -> None:
+    def stop(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """The request's output is complete (a stop token, its length, its grammar, a stop string): it finishes."""
+        self.finish(seq, reason, stop_reason)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """The request leaves: its blocks are freed and the model runner forgets it with the next step."""
         if seq.is_finished:
-            return
-        if seq.held_finish is not None:
-            reason, stop_reason, num_tokens = seq.held_finish
-            del seq.token_ids[num_tokens:]
-            seq.held_finish = None
-        elif hold and self._holds(seq, reason):
-            seq.held_finish = (reason, stop_reason, seq.num_tokens)
             return
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
@@ -285,32 +283,18 @@ class Scheduler:
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         seq.finish_time = time.monotonic()
         self.requests.pop(seq.request_id, None)
-        self.static_batch.discard(seq.request_id)
         if seq.seen_by_runner:
             self.finished_for_runner.append(seq.request_id)
 
-    def _holds(self, seq: Sequence, reason: str) -> bool:
-        """Static (request-level) batching as in the literature's baseline: a finished member keeps
-        its slot and keeps decoding (output discarded) until the whole batch is done."""
-        if self.config.scheduling_policy != "static" or reason == "abort":
-            return False
-        return any(s is not seq and s.held_finish is None for s in self._batch_members())
+    def pads(self, seq: Sequence) -> bool:
+        """The request's output is complete but it still runs, as padding (the static policy's batches)."""
+        return False
 
-    def _batch_members(self) -> list[Sequence]:
-        return [self.requests[r] for r in self.static_batch if r in self.requests]
 
-    def _release_static_batch(self) -> None:
-        members = self._batch_members()
-        if members and all(s.held_finish is not None for s in members):
-            for seq in members:
-                self._release(seq)
+def make_scheduler(config: EngineConfig, kv: BlockManager, eos_token_ids: set[int]) -> Scheduler:
+    """The scheduler of `config.scheduling_policy`."""
+    if config.scheduling_policy == "static":
+        from conveyor.engine.static_policy import StaticScheduler  # a subclass: imported here, not at the top
 
-    def _release_one_held(self) -> bool:
-        held = [s for s in self.running if s.held_finish is not None]
-        if held:
-            self._release(max(held, key=self._victim_key))
-        return bool(held)
-
-    def _release(self, seq: Sequence) -> None:
-        self.finish(seq, "", hold=False)
-        self.released.append(seq)
+        return StaticScheduler(config, kv, eos_token_ids)
+    return Scheduler(config, kv, eos_token_ids)

@@ -30,7 +30,6 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     seen_by_runner: bool = False
-    held_finish: tuple[str, int | str | None, int] | None = None
     enqueued_step: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

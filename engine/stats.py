@@ -1,3 +1,4 @@
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -12,31 +13,11 @@ def cdiv(a: int, b: int) -> int:
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-class KVUsage:
-    """Derived load of anything with kv_blocks_total / kv_blocks_free (EngineStats, cluster's ReplicaStats)."""
-
-    kv_blocks_total: int
-    kv_blocks_free: int
-
-    @property
-    def kv_blocks_used(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_free
-
-    @property
-    def kv_cache_utilization(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "kv_blocks_used": self.kv_blocks_used,
-            "kv_cache_utilization": self.kv_cache_utilization,
-        }
-
-
-@dataclass
-class EngineStats(KVUsage):
-    """A snapshot of one engine's load, cheap to copy across process boundaries."""
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """A snapshot of one engine's load, cheap to copy across process boundaries. The cluster layer reads it as
+    cluster.stats.ReplicaStats; the KV quantities its watermarks, admission and autoscaling compare are defined
+    here, once."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -59,16 +40,51 @@ class EngineStats(KVUsage):
     tokens_left: list[int] = field(default_factory=list)  # running requests' likely tokens left, ascending, <= 64
     num_growth_blocks: int = 0  # blocks running and waiting requests still take at their likely output lengths
     likely_output_tokens: int = 0  # a new request's likely output length (0: not known)
-    kv_blocks_demand: int = 0  # blocks held, the waiting prompts' and num_growth_blocks: what the replica committed to
     iteration_tokens_sum: int = 0
     iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)
 
     @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def growth_blocks(self) -> int:
+        """num_growth_blocks (estimated where a replica does not report it: cluster.stats.ReplicaStats)."""
+        return self.num_growth_blocks
+
+    def waiting_blocks(self, miss_ratio: float = 1.0) -> int:
+        """Blocks the waiting prompts will take: their tokens (the engine counts their cached part too) times
+        `miss_ratio`, the share of them expected to miss the prefix cache."""
+        return cdiv(math.ceil(self.num_waiting_tokens * miss_ratio), self.block_size)
+
+    def kv_pressure(self, miss_ratio: float = 1.0) -> float:
+        """Blocks in use plus the waiting prompts', over the cache (may pass 1; 1 with no cache known): what the
+        KV watermarks compare (cluster.watermarks)."""
+        if not self.kv_blocks_total:
+            return 1.0
+        return (self.kv_blocks_used + self.waiting_blocks(miss_ratio)) / self.kv_blocks_total
+
+    def demand_blocks(self, miss_ratio: float = 1.0) -> int:
+        """KV demand in blocks: those held, the waiting prompts' and the likely growth of what runs and waits;
+        what the replica is committed to, and what admission commits up to its high watermark."""
+        return self.kv_blocks_used + self.waiting_blocks(miss_ratio) + self.growth_blocks
+
+    @property
     def kv_demand(self) -> float:
-        """KV blocks committed / the cache (may pass 1): with admission charging outputs, replicas are held near the
+        """demand_blocks() over the cache (may pass 1): with admission charging outputs, replicas are held near the
         high watermark of demand while their used blocks stay lower, so autoscaling reads this."""
-        return self.kv_blocks_demand / self.kv_blocks_total if self.kv_blocks_total else 0.0
+        return self.demand_blocks() / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "kv_demand": self.kv_demand}
+        """The wire format: the fields, plus the derived load for readers of the dict."""
+        return {
+            **asdict(self),
+            "kv_blocks_used": self.kv_blocks_used,
+            "kv_cache_utilization": self.kv_cache_utilization,
+            "kv_demand": self.kv_demand,
+        }

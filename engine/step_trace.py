@@ -19,6 +19,8 @@ class _Scheduler(Protocol):
     num_preemptions: int
     num_steps: int
 
+    def pads(self, seq: Any) -> bool: ...
+
 
 class _KV(Protocol):
     num_blocks: int
@@ -76,7 +78,7 @@ class StepTrace:
         work = []
         for c in so.chunks:
             seq = scheduler.requests.get(c.req_id)
-            if seq is not None and seq.held_finish is not None:
+            if seq is not None and scheduler.pads(seq):
                 kind = "padding"
             elif len(c.token_ids) > 1 or seq is None or c.start < seq.num_prompt_tokens:
                 kind = "prefill"

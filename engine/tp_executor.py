@@ -1,9 +1,7 @@
 """TP>1 executor (driver side): one Ray actor per rank in a placement group, ranks in one torch.distributed group.
 
 Ray starts, places, pings and stops the workers; steps bypass Ray: the driver writes the (already delta)
-SchedulerOutput, pickled once, to a TCP connection per rank and reads rank 0's sampled tokens back
-(dispatch="socket"). "remote" (one .remote() per rank per step) and "dag" (Ray Compiled Graph) are kept
-for benchmarks/tp.py, which measures all three."""
+SchedulerOutput, pickled once, to a TCP connection per rank and reads rank 0's sampled tokens back."""
 
 import contextlib
 import hmac
@@ -36,7 +34,6 @@ class TPExecutor:
     collective_timeout_s: float = 120.0
     health_timeout_s: float = 5.0
     worker_num_cpus: float = 1.0
-    dispatch: str = os.environ.get("CONVEYOR_TP_DISPATCH", "socket")
 
     def __init__(self, config: EngineConfig) -> None:
         n = config.tensor_parallel_size
@@ -45,7 +42,7 @@ class TPExecutor:
         self.workers: list = []
         self.conns: list[socket.socket] = []
         self.selector = selectors.DefaultSelector()
-        self.dag = self.error = self.pg = None
+        self.error = self.pg = None
         self.own_ray = self.own_pg = False
         if not ray.is_initialized():
             local = {"num_cpus": max(os.cpu_count() or 1, n), "_node_ip_address": "127.0.0.1"}
@@ -114,21 +111,13 @@ class TPExecutor:
         self.num_swap_blocks = min(
             self._get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers], "allocate the KV cache")
         )
-        if self.dispatch == "socket":
-            self._connect()
-        elif self.dispatch == "dag":
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as so:
-                dag = MultiOutputNode([w.execute_model.bind(so) for w in self.workers])
-            self.dag = dag.experimental_compile(_submit_timeout=self.step_timeout_s)
+        self._connect()
         log.info(
-            "tensor parallel: %d ranks (pids %s) on %s, %d KV blocks, dispatch=%s",
+            "tensor parallel: %d ranks (pids %s) on %s, %d KV blocks",
             self.size,
             [i.pid for i in infos],
             host,
             self.num_blocks,
-            self.dispatch,
         )
 
     def _connect(self) -> None:
@@ -178,21 +167,6 @@ class TPExecutor:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.error is not None:
             raise self.error
-        if self.conns:
-            return self._exchange(so)
-        try:
-            refs = self.dag.execute(so) if self.dag else [w.execute_model.remote(so) for w in self.workers]
-            return ray.get(refs, timeout=self.step_timeout_s)[0]
-        except Exception as e:
-            dead = self._dead_ranks()
-            self.error = RuntimeError(
-                f"tensor-parallel worker rank {_names(dead)} died or is unresponsive"
-                if dead
-                else f"tensor-parallel step failed: {e}"
-            )
-            raise self.error from e
-
-    def _exchange(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
             replies, dead = self._round_trip(pack(so))
         except BaseException:
@@ -253,14 +227,8 @@ class TPExecutor:
             conn.close()
         self.conns = []
         if not ray.is_initialized():
-            self.workers, self.dag, self.pg = [], None, None
+            self.workers, self.pg = [], None
             return
-        dag, self.dag = self.dag, None
-        if dag is not None:
-            try:
-                dag.teardown(kill_actors=self.error is not None)
-            except Exception as e:
-                log.warning("compiled graph teardown: %s", e)
         if self.workers and self.error is None:
             try:
                 ray.get([w.close.remote() for w in self.workers], timeout=self.health_timeout_s)

@@ -121,9 +121,6 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> int:
         return allocate_kv_cache(self.runner, num_blocks)
 
-    def execute_model(self, so: object) -> object:
-        return self.runner.execute_model(so)
-
     def start_loop(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
         self.sock = connect(host, port, timeout_s)
         self.sock.sendall(token + struct.pack("<I", self.rank))

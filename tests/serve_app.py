@@ -169,7 +169,7 @@ SHARED_ARGS: dict[str, Any] = {
     "api_key": API_KEY,
     "max_body_bytes": 64 * 1024,
     "engine": {"max_num_seqs": 1, "max_num_batched_tokens": 8, "num_blocks": 48, "enable_prefix_caching": True},
-    "admission": {"count_output_blocks": True, "queue_timeout_s": 5.0, "max_queued": 4, "retry_after_s": 1.0},
+    "admission": {"queue_timeout_s": 5.0, "max_queued": 4, "retry_after_s": 1.0},
 }
 """The app the HTTP reliability modules share (starting Serve costs ~30 s or more here), behind HAProxy as the
 README serves (the other modules' apps use Serve's proxy, so the suite covers both ingresses): one sequence at a

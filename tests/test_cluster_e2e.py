@@ -301,7 +301,6 @@ def test_two_routers_commit_within_leases_and_no_request_is_preempted(cluster: S
             "engine": {**ENGINE, "num_blocks": 48},
             "num_replicas": 2,
             "router_replicas": 2,
-            "admission": {"count_output_blocks": True},
         }
     )
     url, http = f"{cluster.url}/leases", httpx.Client(base_url=f"{cluster.url}/leases", timeout=60)

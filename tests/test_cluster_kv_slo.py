@@ -282,12 +282,10 @@ def test_two_routers_see_each_others_reservations_within_one_refresh():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("leases", [True, False])
-def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: bool):
+def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom():
     """Routers admit between syncs, each unseen by the other: with leases their commitments together stay within
-    every replica's headroom (room up to the high watermark) whatever the interleaving; without, the rule of
-    counting own unshared reservations once per router overcommits once the routers' snapshots differ."""
-    body = AdmissionActor({"leases": leases, "settle_s": 10.0, "settle_max_s": 10.0}, clock=lambda: 0.0)
+    every replica's headroom (room up to the high watermark) whatever the interleaving."""
+    body = AdmissionActor({"settle_s": 10.0, "settle_max_s": 10.0}, clock=lambda: 0.0)
     for rid in "ab":
         body.report({**stats(rid, total=100, free=100), "kv_events": events(reset=True)})
 
@@ -314,8 +312,7 @@ def test_two_routers_never_jointly_commit_more_than_a_replicas_headroom(leases: 
         assert body.controller.headroom("a") + body.controller.headroom("b") <= 2 * 90 - 2 * 80  # filled
         return worst
 
-    worst = asyncio.run(scenario())
-    assert worst <= 90 if leases else worst > 90
+    assert asyncio.run(scenario()) <= 90
 
 
 def test_lease_shares_split_evenly_and_by_demand_within_headroom():
@@ -338,24 +335,21 @@ def test_lease_shares_split_evenly_and_by_demand_within_headroom():
     assert claims.grant("r2", {"a": 21}, 0.15, demand=21, routers=2, short=21) == {"a": 21}
 
 
-def test_count_output_blocks_charges_max_tokens_growth():
-    on = AdmissionController(AdmissionConfig(count_output_blocks=True))
-    off = AdmissionController(AdmissionConfig(count_output_blocks=False))
-    for c in (on, off):  # 2 running with 30 + 50 tokens left: 5 more blocks at 16 tokens each
-        c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
-    assert off.room("a") == 40 and on.room("a") == 35
-    assert off.decide(10, 0.0, output_tokens=480).admit and not on.decide(10, 0.0, output_tokens=480).admit
-    d = on.decide(10, 0.0, output_tokens=240)  # 35 room less 10 kept above the 0.90 high watermark
+def test_admission_charges_max_tokens_growth():
+    c = AdmissionController()  # 2 running with 30 + 50 tokens left: 5 more blocks at 16 tokens each
+    c.update(ReplicaStats.from_dict({**stats("a", free=40, running=2), "tokens_left": [30, 50]}), 0.0)
+    assert c.room("a") == 35 and not c.decide(10, 0.0, output_tokens=480).admit
+    d = c.decide(10, 0.0, output_tokens=240)  # 35 room less 10 kept above the 0.90 high watermark
     assert d.admit and d.new_blocks == 25
-    assert not on.decide(10, 0.0, output_tokens=241).admit
-    assert not on.decide(10, 0.0, output_tokens=120, num_seqs=2).admit  # 2 sequences of 8 blocks each
+    assert not c.decide(10, 0.0, output_tokens=241).admit
+    assert not c.decide(10, 0.0, output_tokens=120, num_seqs=2).admit  # 2 sequences of 8 blocks each
 
 
-def test_count_output_blocks_charges_the_likely_output_not_an_unset_max_tokens():
+def test_admission_charges_the_likely_output_not_an_unset_max_tokens():
     """A client that leaves max_tokens unset asks for the rest of the context (2048 - prompt here): charged that,
     one request takes a whole replica. Once the replica reports how long outputs run, it is charged that instead,
     and never more than its own max_tokens."""
-    c = AdmissionController(AdmissionConfig(count_output_blocks=True))
+    c = AdmissionController()
     c.update(ReplicaStats.from_dict(stats("a", free=60, running=1)), 0.0)
     assert c.decide(2, 0.0, output_tokens=2000).reason == "no_room"
     c.update(ReplicaStats.from_dict({**stats("a", free=60, running=1, ts=0.1), "likely_output_tokens": 150}), 0.1)
@@ -389,7 +383,7 @@ def test_output_lengths_quantile_of_the_longer_recent_outputs():
 def test_a_cold_replica_expects_its_prior_not_an_unset_max_tokens():
     """Before 16 requests have finished, a request that asks for the rest of the context is expected to run
     EngineConfig.cold_output_tokens (256), and the replica reports that as a new request's likely length, so
-    count_output_blocks charges 16 blocks, not 125; cold_output_tokens 0 charges max_tokens as before."""
+    admission charges 16 blocks, not 125; cold_output_tokens 0 charges max_tokens as before."""
     from conveyor.engine import LLM, SamplingParams
 
     for prior, likely, left in ((256, 256, 255), (0, 0, 1999)):
@@ -405,7 +399,7 @@ def test_a_cold_replica_expects_its_prior_not_an_unset_max_tokens():
         llm.engine.step()
         s = llm.engine.stats()
         assert (s.likely_output_tokens, s.tokens_left) == (likely, [left])
-        c = AdmissionController(AdmissionConfig(count_output_blocks=True))
+        c = AdmissionController()
         c.update(ReplicaStats.from_engine("r", s), 0.0)
         assert c.output_blocks("r", 2000) == (16 if prior else 125)
         llm.shutdown()
@@ -422,7 +416,7 @@ def test_admission_commits_room_only_up_to_the_high_watermark():
 
 
 def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
-    """The engine's stat that count_output_blocks charges: every request's blocks still to come if it runs to
+    """The engine's stat that admission charges: every request's blocks still to come if it runs to
     max_tokens, waiting ones included (before, only running requests' tokens_left were summed)."""
     from conveyor.engine import LLM, SamplingParams
 
@@ -436,8 +430,8 @@ def test_growth_blocks_count_running_and_waiting_requests_to_max_tokens():
     running = math.ceil((20 + 30) / 16) - 2  # 4 blocks at max_tokens, 2 held
     waiting = math.ceil((40 + 100) / 16) - math.ceil(40 / 16)  # its prompt's 3 blocks are in num_waiting_tokens
     assert s.num_growth_blocks == running + waiting == 2 + 6
-    assert s.kv_blocks_demand == s.kv_blocks_used + math.ceil(s.num_waiting_tokens / 16) + 8  # autoscaling's metric
-    c = AdmissionController(AdmissionConfig(count_output_blocks=True))
+    assert s.demand_blocks() == s.kv_blocks_used + math.ceil(s.num_waiting_tokens / 16) + 8  # autoscaling's metric
+    c = AdmissionController()
     c.update(ReplicaStats.from_engine("r", s), 0.0)
     assert c.room("r") == s.kv_blocks_free - math.ceil(s.num_waiting_tokens / 16) - 8
     core = engine.core.core  # the EngineCore, in process; the recount is rate-limited while the same requests run...

@@ -1,7 +1,7 @@
 """Placement by expected TTFT, without Ray: prefix affinity against queue time, hot prefixes spread by cache
 capacity, KV demand that charges only uncached blocks, and the rates and queue time that feed them."""
 
-from conveyor.cluster.admission import AdmissionConfig, AdmissionController, demand, waiting_blocks
+from conveyor.cluster.admission import AdmissionConfig, AdmissionController
 from conveyor.cluster.hot_blocks import HotBlocks
 from conveyor.cluster.placement import Option, cost_s, rank
 from conveyor.cluster.prefix_index import PrefixIndex
@@ -144,8 +144,8 @@ def test_waiting_queue_demand_is_scaled_by_the_measured_miss_ratio():
     rates = Rates().update(prev, cur)
     assert rates.miss_ratio == 0.25 and Rates().miss_ratio == 1.0
     queued = stats("a", free=100, waiting=2, waiting_tokens=1600)  # 100 blocks asked, a quarter to compute
-    assert waiting_blocks(queued, rates, 16) == 25 and waiting_blocks(queued, Rates(), 16) == 100
-    assert demand(queued, rates, 16) == (100 + 25) / 200
+    assert queued.waiting_blocks(rates.miss_ratio) == 25 and queued.waiting_blocks(Rates().miss_ratio) == 100
+    assert AdmissionController.kv_pressure(queued, rates) == (100 + 25) / 200  # what the watermarks compare
     assert queue_time_s(queued, rates) == 1600 * 0.25 / rates.prefill_tokens_per_s
 
 

@@ -70,17 +70,16 @@ def test_replica_stats_from_engine_dict():
     assert s == ReplicaStats.from_engine("r1", e)
     assert (s.replica_id, s.num_running, s.kv_blocks_used, s.num_preemptions, s.timestamp) == ("r1", 3, 70, 1, 5.0)
     assert s.kv_cache_utilization == pytest.approx(0.7)
-    assert s.waiting_blocks() == 3 and s.room_blocks() == 27
-    assert s.pressure() == pytest.approx(0.73)
+    assert s.waiting_blocks() == 3 and s.kv_pressure() == pytest.approx(0.73)
     assert ReplicaStats.from_dict(s.to_dict()) == s
-    assert ReplicaStats("x").pressure() == 1.0  # no capacity known: treat as full
+    assert ReplicaStats("x").kv_pressure() == 1.0  # no capacity known: treat as full
 
 
 def test_block_counts_follow_the_replicas_block_size():
     """A replica with 32-token blocks reports them: its waiting prompt tokens fill half as many blocks."""
     e = EngineStats(num_waiting_tokens=64, kv_blocks_total=16, kv_blocks_free=16, block_size=32)
     s = ReplicaStats.from_engine("r", e)
-    assert s.block_size == 32 and s.waiting_blocks() == 2 and s.pressure() == pytest.approx(0.125)
+    assert s.block_size == 32 and s.waiting_blocks() == 2 and s.kv_pressure() == pytest.approx(0.125)
     assert push_due(s, ReplicaStats.from_engine("r", replace(e, num_waiting_tokens=128)), 0.0, 0.01)  # 2 -> 4 blocks
     assert not push_due(s, ReplicaStats.from_engine("r", replace(e, num_waiting_tokens=90)), 0.0, 0.01)  # 2 -> 3
 
@@ -472,14 +471,14 @@ def test_router_prefers_fresh_pressure_and_ongoing_over_routing_stats():
     assert choose(score_replicas(hot, h, idx, CFG), CFG) == ["b"]  # admission's pressure saturates a
 
 
-def test_admission_pressure_counts_reservations():
+def test_admission_kv_demand_counts_reservations():
     c = AdmissionController(AdmissionConfig(block_size=16))
     c.update(rs("a", used=50, waiting=1, waiting_tokens=16 * 10), now=0.0)
     c.update(rs("b", used=20), now=0.4)
-    assert c.pressure("a") == pytest.approx(0.6)
+    assert c.kv_demand("a") == pytest.approx(0.6)
     c.reserve("a", 20, now=0.0)
-    assert c.pressure("a") == pytest.approx(0.8)
-    assert c.pressures(now=0.7) == {"b": pytest.approx(0.2)}  # a is stale by then
+    assert c.kv_demand("a") == pytest.approx(0.8)
+    assert c.kv_demands(now=0.7) == {"b": pytest.approx(0.2)}  # a is stale by then
 
 
 def test_router_all_saturated_least_loaded_and_allowed_first():
@@ -607,8 +606,9 @@ def test_autoscaling_bounds_waiting_and_starting():
 
 def test_autoscaling_metrics_from_stats():
     """Autoscaling reads the blocks committed (held, waiting prompts', likely growth), not only those held."""
-    m = autoscaling_metrics(EngineStats(num_waiting=3, kv_blocks_total=10, kv_blocks_free=4, kv_blocks_demand=8))
-    assert m == {"kv_demand": pytest.approx(0.8), "num_waiting": 3.0}
+    s = EngineStats(num_waiting=3, num_waiting_tokens=20, kv_blocks_total=10, kv_blocks_free=4, num_growth_blocks=1)
+    m = autoscaling_metrics(s)  # 6 held + 2 for the 20 waiting prompt tokens + 1 of growth, not 6
+    assert m == {"kv_demand": pytest.approx(0.9), "num_waiting": 3.0}
     assert all(isinstance(v, float) for v in m.values())
 
 

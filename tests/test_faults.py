@@ -280,52 +280,6 @@ def test_a_router_that_never_reached_the_actor_syncs_before_deciding_instead_of_
     asyncio.run(scenario())
 
 
-def test_local_stream_cancel_ends_a_read_in_progress() -> None:
-    """The single topology's in-process stream (deployments/server.py), as the drain timeout uses it: cancel()
-    from another task ends the pending read with RequestCancelledError after the generator's own cleanup ran,
-    and the reading task is not left cancelled; cancel() between reads closes the generator."""
-    from ray.serve.exceptions import RequestCancelledError
-
-    from conveyor.deployments.server import LocalStream
-
-    async def scenario() -> None:
-        cleaned: list[str] = []
-
-        async def gen(name: str) -> Any:
-            try:
-                yield 1
-                await asyncio.Event().wait()
-                yield 2
-            finally:
-                cleaned.append(name)
-
-        reading = LocalStream(gen("reading"))
-
-        async def read() -> list[Any]:
-            got = [await reading.__anext__()]
-            try:
-                got.append(await reading.__anext__())
-            except RequestCancelledError:
-                got.append("cancelled")
-            await asyncio.sleep(0)
-            return got
-
-        task = asyncio.create_task(read())
-        await asyncio.sleep(0.05)
-        reading.cancel()
-        assert await asyncio.wait_for(task, 5) == [1, "cancelled"] and not task.cancelled()
-        assert cleaned == ["reading"]
-        with pytest.raises(RequestCancelledError):
-            await reading.__anext__()
-        idle = LocalStream(gen("idle"))
-        assert await idle.__anext__() == 1
-        idle.cancel()
-        await asyncio.sleep(0.05)
-        assert cleaned == ["reading", "idle"]
-
-    asyncio.run(scenario())
-
-
 @pytest.mark.slow
 def test_killed_replica_is_replaced_and_its_requests_end_with_an_error(cluster: SimpleNamespace) -> None:
     url, http = f"{cluster.url}/faults", cluster.http

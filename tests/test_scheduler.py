@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scheduler import Scheduler, make_scheduler
 from conveyor.engine.sequence import Sequence
 from conveyor.engine.step import ModelRunnerOutput
 
@@ -50,7 +50,7 @@ def simulate(
         max_prefill_tokens_while_decoding=decode_cap,
     )
     kv = BlockManager(num_blocks, block_size, caching, num_swap_blocks=num_blocks // 2 if mode == "swap" else 0)
-    sched = Scheduler(cfg, kv, {EOS})
+    sched = make_scheduler(cfg, kv, {EOS})
     seqs, finished, runner_tables = {}, {}, {}
     for i, (arrival, plen, max_tokens, alphabet, abort_at, prio) in enumerate(requests):
         max_tokens = min(max_tokens, num_blocks * block_size - plen)
@@ -69,7 +69,7 @@ def simulate(
                 sched.add(seq)
             if abort_at == step and arrival <= step and not seq.is_finished:
                 sched.finish(seq, "abort")
-        decoding = any(len(s.token_ids) - s.num_computed_tokens == 1 for s in sched.running if s.held_finish is None)
+        decoding = any(len(s.token_ids) - s.num_computed_tokens == 1 for s in sched.running if not sched.pads(s))
         so = sched.schedule()
         assert so.num_tokens <= budget
         if decode_cap and decoding:
@@ -184,7 +184,7 @@ def test_static_policy_runs_batches_in_lockstep() -> None:
     """Request-level batching: a new batch starts only when the previous one is done, and a member
     that finishes early keeps its slot (decoding padding) until the longest member finishes."""
     cfg = EngineConfig(model="demo:tiny", scheduling_policy="static", max_num_seqs=2)
-    sched = Scheduler(cfg, BlockManager(64, 16, False), {EOS})
+    sched = make_scheduler(cfg, BlockManager(64, 16, False), {EOS})
     a = Sequence("a", [10] * 5, SamplingParams(max_tokens=1))
     b = Sequence("b", [10] * 5, SamplingParams(max_tokens=6))
     c = Sequence("c", [10] * 5, SamplingParams(max_tokens=1))

@@ -306,28 +306,6 @@ def test_tensor_parallel_replica(server: App, offline: object) -> None:
         serve.delete("tp")
 
 
-def test_single_deployment_topology(server: App, offline: object) -> None:
-    """Router and replica in one deployment (no handle hop): same greedy text, streams, health."""
-    from conveyor.deployments.app import AppArgs, build_app
-    from conveyor.engine import SamplingParams
-
-    args = AppArgs(
-        engine=ENGINE, topology="single", request_router=None, admission=None, replica_num_cpus=0.5, torch_threads=1
-    )
-    serve.run(build_app(args), name="single", route_prefix="/single")
-    try:
-        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
-        r = server.http.post("/single/v1/completions", json=body)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
-        with server.http.stream("POST", "/single/v1/completions", json={**body, "stream": True}) as resp:
-            events = sse_events(resp)
-        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want.outputs[0].text
-        assert server.http.get("/single/health").status_code == 200
-    finally:
-        serve.delete("single")
-
-
 def test_engine_core_crash_fails_the_stream_and_the_health_check(server: App) -> None:
     """Last in the module: the replica is replaced afterwards."""
     import os

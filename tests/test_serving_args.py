@@ -1,5 +1,5 @@
-"""The serving-path app arguments: topology, handle transport, engine core process, stream_interval; the
-router's light imports."""
+"""The serving-path app arguments: engine core process, stream_interval, user code thread; the router's light
+imports."""
 
 import subprocess
 import sys
@@ -12,9 +12,9 @@ from conveyor.deployments.app import AppArgs, build_app
 @pytest.mark.parametrize(
     "args, field",
     [
-        ({"topology": "single"}, "request_router"),
-        ({"topology": "two"}, "topology"),
-        ({"handle_transport": "http"}, "handle_transport"),
+        ({"topology": "single"}, "topology"),
+        ({"handle_transport": "grpc"}, "handle_transport"),
+        ({"token_channel": False}, "token_channel"),
         ({"stream_interval": 0}, "stream_interval"),
         ({"stream_interval_s": 0.01}, "stream_interval_s"),
     ],
@@ -24,7 +24,7 @@ def test_bad_serving_args_name_the_field(args: dict, field: str) -> None:
         AppArgs(**args)
 
 
-def test_topologies_build_the_deployments_they_name() -> None:
+def test_the_app_is_a_router_bound_to_a_replica() -> None:
     default = build_app(AppArgs())
     replica = default._bound_deployment.init_args[0]
     assert default._bound_deployment.name == "Router" and replica._bound_deployment.name == "LLMReplica"
@@ -38,16 +38,10 @@ def test_topologies_build_the_deployments_they_name() -> None:
     on_loop = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
     assert default._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == on_loop
     assert replica._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "1", **on_loop}
-    grpc = build_app(
-        AppArgs(handle_transport="grpc", engine_core_process=False, stream_interval=2, user_code_thread=True)
-    )
-    env = grpc._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
-    assert env == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
-    kwargs = grpc._bound_deployment.init_args[0]._bound_deployment.init_kwargs
+    own_thread = build_app(AppArgs(engine_core_process=False, stream_interval=2, user_code_thread=True))
+    assert own_thread._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {}
+    kwargs = own_thread._bound_deployment.init_args[0]._bound_deployment.init_kwargs
     assert kwargs["engine_core_process"] is False and kwargs["stream_interval"] == 2
-    single = build_app(AppArgs(topology="single", request_router=None))
-    assert single._bound_deployment.name == "LLMServer"
-    assert single._bound_deployment.init_args[0]["engine_core_process"] is True
 
 
 def test_the_http_router_imports_no_torch() -> None:

@@ -12,7 +12,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.invariants import check_invariants
 from conveyor.engine.persistent_batch import PersistentBatch
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scheduler import make_scheduler
 from conveyor.engine.sequence import Sequence, SequenceStatus
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -64,7 +64,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             check_invariants=True,
         )
         self.kv = BlockManager(num_blocks, block_size, caching, swap_blocks if mode == "swap" else 0)
-        self.sched = Scheduler(cfg, self.kv, {EOS})
+        self.sched = make_scheduler(cfg, self.kv, {EOS})
         self.batch = PersistentBatch(-(-MAX_MODEL_LEN // block_size), 100, rows=2)
         self.sched.runner_batch = self.batch
         self.seqs: list[Sequence] = []
@@ -138,7 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A preemption between steps, in either mode whatever the config says (swap falls back to recompute
         when the slots run out); the swap-out pairs are lost to the runner, which keeps no KV data here."""
         victim = self.sched.running[pick % len(self.sched.running)]
-        cfg, held = self.sched.config, victim.held_finish is not None
+        cfg, held = self.sched.config, self.sched.pads(victim)
         configured, cfg.preemption_mode = cfg.preemption_mode, mode
         try:
             self.sched._preempt(victim, SchedulerOutput())
