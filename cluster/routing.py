@@ -17,9 +17,10 @@ Wiring (Ray Serve 2.60):
   the routing stats' `kv_pressure()`.
 - Replica ids are `RunningReplica.replica_id.unique_id`, the same string replicas report to
   admission (`serve.get_replica_context().replica_id.unique_id`).
-- With a hint from admission, the router follows admission's ranking (`follow_admission`): admission
-  scored the replicas the same way with its fresher view and reserved the request on its first one;
-  the router still skips saturated replicas and moves off an overloaded one (Ray's in-flight counts).
+- With a hint from admission, the router follows admission's ranking: admission
+  scored the replicas the same way with its fresher view and reserved the request on its first one.
+  Without a hint the router skips saturated replicas and moves off an overloaded one (Ray's in-flight
+  counts).
 - Prefix affinity: for replicas whose real KV contents admission knows (their KV events, plus
   prompts reserved there), the hint's `cached_blocks`; for the others, this router's own guess, a
   `PrefixIndex` that learns in `on_request_routed`, which Ray 2.60 calls once the replica accepted the
@@ -91,7 +92,6 @@ class RouterConfig:
     max_queue_imbalance: int = 8
     max_pressure_imbalance: float = 0.5
     max_blocks_per_replica: int = 65536
-    follow_admission: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
 
 
@@ -152,31 +152,27 @@ def overloaded(preferred: Scored, least: Scored, cfg: RouterConfig) -> bool:
     )
 
 
-def choose(
-    scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = (), ordered: bool = False
-) -> list[str]:
-    """Ranked replica ids: the preferred one (or the least loaded if the preferred is overloaded
-    relative to it), then the rest. Saturated replicas only when every replica is saturated;
-    replicas outside `allowed` (admission's list) only after the allowed ones; `ordered`: the allowed ones
-    in admission's order, not by score, never skipped as saturated or overloaded: admission found room on
-    its first with its fresher view, counting the request itself, and reserved the request there (sent
-    elsewhere, it would be counted on neither replica until its reservation expired)."""
+def choose(scored: Sequence[Scored], cfg: RouterConfig, allowed: Sequence[str] = ()) -> list[str]:
+    """Ranked replica ids. Without admission's list (`allowed`): the best scored one (or the least loaded if
+    it is overloaded relative to it), then the rest, saturated replicas only when every replica is saturated.
+    With it: the allowed replicas in admission's order, never skipped as saturated or overloaded (admission
+    found room on its first with its fresher view, counting the request itself, and reserved the request
+    there: sent elsewhere, it would be counted on neither replica until its reservation expired), then the
+    rest."""
     ok = {rid: i for i, rid in enumerate(allowed)}
-    trusted = ordered and any(s.replica_id in ok for s in scored)  # admission checked their room just now
-    usable = [s for s in scored if not s.saturated or (trusted and s.replica_id in ok)] or sorted(
+    trusted = any(s.replica_id in ok for s in scored)
+    usable = [s for s in scored if not s.saturated or s.replica_id in ok] or sorted(
         scored, key=lambda s: (s.load, s.pressure)
     )
     if not usable:
         return []
-    pool = [s for s in usable if s.replica_id in ok] or usable
-    if ordered:
-        pool.sort(key=lambda s: ok.get(s.replica_id, len(ok)))
-    rest = [s for s in usable if s not in pool]
-    preferred = pool[0]
-    least = min(pool, key=lambda s: (s.load, s.pressure))
-    follow = ordered and preferred.replica_id in ok
-    first = least if not follow and overloaded(preferred, least, cfg) else preferred
-    return [first.replica_id] + [s.replica_id for s in pool + rest if s is not first]
+    if trusted:
+        pool = sorted((s for s in usable if s.replica_id in ok), key=lambda s: ok[s.replica_id])
+        return [s.replica_id for s in pool] + [s.replica_id for s in usable if s.replica_id not in ok]
+    preferred = usable[0]
+    least = min(usable, key=lambda s: (s.load, s.pressure))
+    first = least if overloaded(preferred, least, cfg) else preferred
+    return [first.replica_id] + [s.replica_id for s in usable if s is not first]
 
 
 class KVAwareRequestRouter(RequestRouter):
@@ -213,10 +209,7 @@ class KVAwareRequestRouter(RequestRouter):
             getattr(hint, "cached_blocks", None),
         )
         self.saturated.update({s.replica_id: s.saturated for s in scored})
-        return [
-            by_id[rid]
-            for rid in choose(scored, self.config, hint.replicas if hint else (), self.config.follow_admission)
-        ]
+        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -146,12 +146,11 @@ def test_router_follows_admissions_order_even_when_it_looks_overloaded():
     s = lambda rid, **kw: ReplicaStats.from_dict(stats(rid, **kw))
     cands = [Candidate("a", s("a", free=90)), Candidate("b", s("b", free=40)), Candidate("c", s("c", free=95))]
     scored = score_replicas(cands, (), PrefixIndex(), RouterConfig())
-    assert choose(scored, RouterConfig(), ["b", "a"], ordered=True) == ["b", "a", "c"]
-    assert choose(scored, RouterConfig(), ["b", "a"]) == ["a", "b", "c"]
+    assert choose(scored, RouterConfig(), ["b", "a"]) == ["b", "a", "c"]
     busy = [Candidate("a", s("a"), ongoing=1), Candidate("b", s("b"), ongoing=30)]
     ranked = score_replicas(busy, (), PrefixIndex(), RouterConfig())
-    assert choose(ranked, RouterConfig(), ["b", "a"])[0] == "a"  # without admission's order: the least loaded
-    assert choose(ranked, RouterConfig(), ["b", "a"], True)[0] == "b"  # its reservation is on b
+    assert choose(ranked, RouterConfig())[0] == "a"  # without admission's list: the least loaded
+    assert choose(ranked, RouterConfig(), ["b", "a"])[0] == "b"  # its reservation is on b
 
 
 def test_admission_ranks_by_real_prefix_and_reserved_prompts_attract():

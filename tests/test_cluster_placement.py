@@ -170,7 +170,7 @@ def test_router_takes_admissions_replica_even_if_its_own_view_says_saturated():
     cands = [Candidate("a", s("a"), pressure=0.95), Candidate("b", s("b"), pressure=0.2)]
     scored = score_replicas(cands, (), PrefixIndex(), RouterConfig())
     assert choose(scored, RouterConfig()) == ["b"]  # no admission list: saturated a is skipped
-    assert choose(scored, RouterConfig(), ["a"], ordered=True) == ["a", "b"]
+    assert choose(scored, RouterConfig(), ["a"]) == ["a", "b"]
 
 
 def test_ranking_ignores_reservations_older_than_the_replicas_stats():

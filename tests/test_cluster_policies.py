@@ -485,7 +485,7 @@ def test_router_all_saturated_least_loaded_and_allowed_first():
     cands = [Candidate("a", rs("a", used=99, running=5)), Candidate("b", rs("b", used=95, running=1))]
     assert choose(score_replicas(cands, (), PrefixIndex(), CFG), CFG) == ["b", "a"]
     cands = [Candidate("a", rs("a", used=10)), Candidate("b", rs("b", used=50)), Candidate("c", rs("c", used=20))]
-    assert choose(score_replicas(cands, (), PrefixIndex(), CFG), CFG, allowed=["b", "c"]) == ["c", "b", "a"]
+    assert choose(score_replicas(cands, (), PrefixIndex(), CFG), CFG, allowed=["c", "b"]) == ["c", "b", "a"]
     assert choose([], CFG) == []
 
 
