@@ -61,7 +61,7 @@ def oracle_hit_rate(
     """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests). As
     in the engine, the full blocks of its output are cached too (keys no other request has); unlike it, no
     block is ever pinned by a running request, so the oracle's caches hold more: an upper bound."""
-    from conveyor.engine.prefix_hash import block_hashes
+    from conveyor.engine.core.prefix_hash import block_hashes
 
     caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
     sent, hits, queries, served = [0] * replicas, 0, 0, 0

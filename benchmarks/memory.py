@@ -8,7 +8,7 @@ greedy outputs are identical.
 
 memory-pressure (--pressure-models, default tiny): N requests, prompts U[32, 160], outputs U[64, 192]
 (exact), at most 32 running; the KV cache holds ~60% of the demand (32 x the mean request's blocks).
-Watermark off (0) / fixed (0.05) / adaptive (from 0.01, engine/watermark.py), recompute vs swap (swap
+Watermark off (0) / fixed (0.05) / adaptive (from 0.01, engine/core/watermark.py), recompute vs swap (swap
 space = the KV cache's size). Reports preemptions, blocks swapped out, tokens recomputed after
 preemption and output tokens/s, and checks that greedy outputs are identical across the six runs."""
 

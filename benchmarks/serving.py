@@ -105,7 +105,7 @@ async def http_request(
 
 
 ROLES = (
-    ("conveyor.engine.core_process", "core"),
+    ("conveyor.engine.process.core_process", "core"),
     ("LLMReplica", "replica"),
     ("Router", "router"),
     ("ProxyActor", "proxy"),

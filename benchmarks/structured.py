@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-import conveyor.engine.model_runner as model_runner
-import conveyor.engine.sampler as sampler
+import conveyor.engine.execution.model_runner as model_runner
+import conveyor.engine.execution.sampler as sampler
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.sampling_params import StructuredParams
 

@@ -23,7 +23,7 @@ import sys
 import time
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.step_trace import KINDS, StepRecord
+from conveyor.engine.core.step_trace import KINDS, StepRecord
 
 
 def workload(n: int, seed: int, vocab: int) -> tuple[list[dict], list[SamplingParams]]:

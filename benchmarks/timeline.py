@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.lengths import Lengths, token_prompts
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.step_trace import StepRecord, chrome_trace
+from conveyor.engine.core.step_trace import StepRecord, chrome_trace
 
 
 def trace_run(

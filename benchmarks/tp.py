@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for TP=1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     opts = dict(dtype="float32", max_num_seqs=args.num_prompts, max_model_len=256, enable_prefix_caching=False)
     rows = []
     try:

@@ -3,7 +3,7 @@
 Demand is what a replica's KV cache is committed to: blocks held, the waiting prompts' blocks and the likely
 growth of what runs and waits (EngineStats.kv_demand). Admission charges that growth (cluster.admission) and
 fills a replica only to its high watermark of demand, so the blocks in use alone stay well below it (~0.5 of the
-cache on tests/test_cluster_e2e.py's load, where demand reads ~0.8) and would never call for a new replica.
+cache on tests/e2e/test_cluster_e2e.py's load, where demand reads ~0.8) and would never call for a new replica.
 
 desired = ceil(n * mean_demand / target) outside a dead band of +-tolerance around the target,
 raised to ceil(n * mean_waiting / target_waiting_per_replica) when queues are long; a direction

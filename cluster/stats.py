@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Sequence
 
-from conveyor.engine import prefix_hash
+from conveyor.engine.core import prefix_hash
 from conveyor.engine.stats import EngineStats, cdiv
 
 
@@ -55,7 +55,7 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
 def block_hashes(
     token_ids: Sequence[int], block_size: int, salt: str | None = None, max_blocks: int | None = None
 ) -> list[bytes]:
-    """The engine's own prefix-cache keys of the prompt's full blocks (engine/prefix_hash.py)."""
+    """The engine's own prefix-cache keys of the prompt's full blocks (engine/core/prefix_hash.py)."""
     return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks)
 
 

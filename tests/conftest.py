@@ -9,7 +9,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("CONVEYOR_CHECK_INVARIANTS", "1")  # engine/invariants.py after every step, Ray replicas included
+os.environ.setdefault(
+    "CONVEYOR_CHECK_INVARIANTS", "1"
+)  # engine/core/invariants.py after every step, Ray replicas included
 SHARED = "conveyor_app"
 
 
@@ -50,7 +52,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Names the ISA and the backends this run exercised, with tests/test_backend_matrix.py's outcomes per
+    """Names the ISA and the backends this run exercised, with tests/engine/test_backend_matrix.py's outcomes per
     backend (shown under -q too)."""
     counts: dict[str, dict[str, int]] = {}
     for outcome in ("passed", "failed", "skipped"):

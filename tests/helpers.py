@@ -2,7 +2,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.model_source import resolve_model
+from conveyor.engine.checkpoints.model_source import resolve_model
 
 PROMPTS = [
     "def",

@@ -1,5 +1,5 @@
 """The step trace records exactly the steps the scheduler ran; `conveyor bench throughput | timeline` run
-end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/test_metrics.py,
+end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/serve/test_metrics.py,
 against the served app); the cluster bench waits for ports a previous run still holds."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from benchmarks.lengths import Lengths, token_prompts
 from conveyor.cli import main
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.step_trace import assign_slots, chrome_trace
+from conveyor.engine.core.step_trace import assign_slots, chrome_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
