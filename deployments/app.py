@@ -53,8 +53,9 @@ def check_fields(name: str, cls: type, kwargs: dict[str, Any], exclude: tuple[st
         raise ValueError(f"{name}.{unknown[0]}: unknown option (known: {', '.join(sorted(known))})")
     try:
         cls(**kwargs)
-    except (AssertionError, TypeError, ValueError) as e:
-        raise ValueError(f"{name}: {str(e) or 'invalid values'}") from None
+    except (TypeError, ValueError) as e:
+        field, _, rule = str(e).partition(": ")
+        raise ValueError(f"{name}.{field}: {rule}" if field in known else f"{name}: {e}") from None
 
 
 class AppArgs(BaseModel):

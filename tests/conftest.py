@@ -5,6 +5,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+# conveyor first, before any test imports transformers: the checkout's root goes behind site-packages, so
+# transformers finds Hugging Face's `kernels` distribution, not the checkout's kernels/ folder
+import conveyor  # noqa: F401
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

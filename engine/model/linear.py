@@ -2,6 +2,7 @@
 
 Each weight_loader receives a tensor or a safetensors slice and reads only this rank's part."""
 
+import sys
 import time
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -50,6 +51,8 @@ class PackedWeight:
 
     @property
     def needs_plain(self) -> bool:
+        if self.small_rows == sys.maxsize:
+            return False
         return self.tensor is None or self.min_rows > self.small_rows + 1
 
 
@@ -89,10 +92,13 @@ def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None
     at 6-20 GB/s, hence the C++ kernels up to SMALL_ROWS whatever the timing says."""
     w = weight.data
     ours = fused is not None and w.dtype in (torch.float32, torch.bfloat16)
+    small = dict(small=fused.gemm_packed, small_tensor=fused.pack_gemm(w), small_rows=SMALL_ROWS) if ours else {}
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    except RuntimeError:  # e.g. float16 without AVX512-FP16 / AVX-NE-CONVERT
-        return None
+    except RuntimeError:  # oneDNN has no path for this dtype here (bfloat16 on AVX2, float16 without AVX512-FP16)
+        # torch's own fallback for bfloat16 is scalar code: the C++ kernel (bfloat16 widened in registers) takes
+        # every row count
+        return PackedWeight(None, 0, w.shape[0], **{**small, "small_rows": sys.maxsize}) if ours else None
     plain_wins = []
     for n in (32,) if ours else (1, 32):
         x = torch.randn(n, w.shape[1], dtype=w.dtype)
@@ -101,7 +107,6 @@ def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None
         )
         plain_wins.append(t_plain * PLAIN_MARGIN < t_packed)
     *decode, batch = plain_wins
-    small = dict(small=fused.gemm_packed, small_tensor=fused.pack_gemm(w), small_rows=SMALL_ROWS) if ours else {}
     if batch:
         return PackedWeight(None, 0, w.shape[0], **small) if ours else None
     return PackedWeight(packed, 4 if any(decode) else 1, w.shape[0], **small)
