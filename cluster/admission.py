@@ -53,8 +53,8 @@ class AdmissionConfig:
     hot_window_s: float = 10.0
     hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
     lease_s: float = 1.0
-    # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: 277 -> 150 ms/s of idle CPU,
-    # but the routing bench's first round after idling lost hit rate in 6 of 9 runs with it, 0 of 8 without
+    # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: less idle CPU, staler views
+    # when load returns (docs/decisions/07-quiet-when-idle-off.md)
     quiet_when_idle: bool = False
 
     def __post_init__(self) -> None:

@@ -63,8 +63,8 @@ def block_hashes(
 class Rates:
     """Service rates per busy second of the engine, decayed over `window_s` of busy time: what a queue ahead of
     a new request drains at. Busy: time inside its steps, or all the time between two pushes when it had work
-    at the first (output processing and streaming between steps delay a queue too; measured under 10x
-    overload, rates per step time alone drained queues 2-4x faster than they did). Zero: not measured yet."""
+    at the first (output processing and streaming between steps delay a queue too, so rates per step time
+    alone overstate how fast a queue drains). Zero: not measured yet."""
 
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0

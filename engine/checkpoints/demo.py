@@ -7,13 +7,14 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sysconfig
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from conveyor.engine.checkpoints.model_cache import build_once, cache_dir, models_dir
 
 if TYPE_CHECKING:  # torch loads only to write weights: the HTTP router resolves demo names without it
     import torch
@@ -104,10 +105,6 @@ def parse_demo_name(name: str) -> DemoSpec:
     ):
         raise ValueError(f"unknown demo model {name!r}; valid: {valid_demo_names()}")
     return DemoSpec(arch, size, dtypes[0] if dtypes else "float32", tied)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CONVEYOR_CACHE") or Path.home() / ".cache" / "conveyor")
 
 
 def corpus_files() -> list[Path]:
@@ -297,29 +294,11 @@ def make_model(
     return out
 
 
-def resolve_model(name: str) -> str:
-    if not name.startswith("demo:"):
-        if not (Path(name) / "config.json").is_file():
-            raise ValueError(
-                f"model {name!r} is neither a demo name ({valid_demo_names()}) nor a local directory with config.json"
-            )
-        return name
+def demo_checkpoint(name: str) -> str:
+    """The demo checkpoint `name` (demo:...), generated once into the model cache."""
     spec = parse_demo_name(name)
-    final = cache_dir() / "models" / spec.name
-    if (final / "config.json").is_file():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{spec.name}."))
-    tmp.chmod(0o755)
-    try:
-        make_model(tmp, spec.arch, spec.size, spec.dtype, spec.tied, spec.seed)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    build = lambda tmp: make_model(tmp, spec.arch, spec.size, spec.dtype, spec.tied, spec.seed)  # noqa: E731
+    return str(build_once(models_dir() / spec.name, build))
 
 
 def add_make_model_args(parser: argparse.ArgumentParser) -> None:

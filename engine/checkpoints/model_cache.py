@@ -6,7 +6,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from conveyor.engine.checkpoints.demo import cache_dir
+
+def cache_dir() -> Path:
+    """Conveyor's cache: $CONVEYOR_CACHE, else ~/.cache/conveyor."""
+    return Path(os.environ.get("CONVEYOR_CACHE") or Path.home() / ".cache" / "conveyor")
 
 
 def models_dir() -> Path:

@@ -2,8 +2,7 @@
 
 from pathlib import Path
 
-from conveyor.engine.checkpoints.demo import resolve_model as resolve_demo
-from conveyor.engine.checkpoints.demo import valid_demo_names
+from conveyor.engine.checkpoints.demo import demo_checkpoint, valid_demo_names
 from conveyor.engine.checkpoints.gguf import gguf_checkpoint
 from conveyor.engine.checkpoints.hub import hub_checkpoint, is_hub_id
 from conveyor.engine.checkpoints.smollm2 import NAME as SMOLLM2
@@ -15,7 +14,7 @@ def resolve_model(name: str, revision: str | None = None) -> str:
     if name == SMOLLM2:
         return smollm2_checkpoint()
     if name.startswith("demo:"):
-        return resolve_demo(name)
+        return demo_checkpoint(name)
     path = Path(name).expanduser()
     if (
         path.is_file()
@@ -24,7 +23,9 @@ def resolve_model(name: str, revision: str | None = None) -> str:
     ):
         return gguf_checkpoint(path)
     if path.exists():
-        return resolve_demo(str(path))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {name!r}: a local checkpoint is a directory holding config.json")
+        return name
     if is_hub_id(name):
         return hub_checkpoint(name, revision)
     raise ValueError(

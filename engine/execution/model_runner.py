@@ -219,7 +219,7 @@ class ModelRunner:
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         nd = int((q_lens == 1).sum())  # one-token chunks (decodes) come first
-        if nd == n:  # decode-only step: ~0.08 ms less at 256 sequences than the general path (paired runs)
+        if nd == n:  # decode-only step: one query row per sequence, no prefill metadata to build
             positions = starts
             input_ids = np.fromiter(map(itemgetter(0), token_ids), dtype=np.int64, count=n)
             slots = block_tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs

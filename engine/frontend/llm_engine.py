@@ -7,6 +7,7 @@ import time
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.core.kv_events import KVEvents
 from conveyor.engine.core.messages import AddRequest, CoreOutput
 from conveyor.engine.frontend.generation_defaults import GenerationDefaults, load_generation_defaults
@@ -17,8 +18,6 @@ from conveyor.engine.process.core_client import InprocClient, MPClient
 from conveyor.engine.process.heap import freeze_startup_heap
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.stats import EngineStats
-
-CORE_PARTS = ("scheduler", "block_manager", "executor", "step_trace", "structured", "compiling")
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase, defaults: GenerationDefaults) -> set[int]:
@@ -55,10 +54,13 @@ class LLMEngine:
     def stream_outputs(self, value: bool) -> None:
         self.processor.stream_outputs = value
 
-    def __getattr__(self, name: str) -> object:
-        if name in CORE_PARTS and isinstance(self.__dict__.get("core"), InprocClient):
-            return getattr(self.core.core, name)
-        raise AttributeError(f"LLMEngine has no attribute {name!r} (the core's parts exist only in process)")
+    @property
+    def local_core(self) -> EngineCore:
+        """The engine core itself (scheduler, block manager, executor, step trace), for tests and benchmarks
+        that look inside it: only where it runs in this process (engine_core_process=False)."""
+        if not isinstance(self.core, InprocClient):
+            raise AttributeError("the engine core runs in its own process: its parts are not in this one")
+        return self.core.core
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json defaults, as vLLM applies them."""

@@ -21,7 +21,7 @@ def _rows(loaded, start: int, size: int) -> torch.Tensor:
 
 
 PLAIN_MARGIN = 1.25  # timings on a shared machine are noisy: packed, the usual winner, stays unless clearly beaten
-SMALL_ROWS = 32  # kernels/csrc/gemm.h up to here: 1.02-1.46x oneDNN at 3-32 rows cold, behind it from 48 (f32, Zen 5)
+SMALL_ROWS = 32  # kernels/csrc/gemm.h up to here, oneDNN above (docs/decisions/08-small-batch-matmul.md)
 
 
 def padded_rows(n: int) -> int:
@@ -85,11 +85,8 @@ def _seconds(a: Callable[[], object], b: Callable[[], object], rounds: int = 4, 
 def _pack(weight: torch.Tensor, fused: ModuleType | None) -> PackedWeight | None:
     """oneDNN's blocked layout for this weight, unless the plain layout is clearly faster on this CPU
     (by PLAIN_MARGIN, timed for a batch of 32 rows and, without the C++ kernels, a decode GEMV of 1 row).
-    Which wins depends on the CPU and the shape: on an Intel AMX machine plain float32 was faster below 2^19
-    elements and for every GEMV; on an AMD Zen 4 (2 cores) packed ran a float32 [1, 768] x [768, 4096] GEMV
-    8x faster, and lost only on the smallest weights (256 x 256 at 1-32 rows, 256 x 768 at 1 row). Such
-    timings run with the weight in cache; in a step, which streams every weight once, both ran small GEMVs
-    at 6-20 GB/s, hence the C++ kernels up to SMALL_ROWS whatever the timing says."""
+    Which wins depends on the CPU and the shape, so it is timed here, with the weight in cache; a step streams
+    every weight once, so small row counts take the C++ kernels whatever the timing says."""
     w = weight.data
     ours = fused is not None and w.dtype in (torch.float32, torch.bfloat16)
     small = dict(small=fused.gemm_packed, small_tensor=fused.pack_gemm(w), small_rows=SMALL_ROWS) if ours else {}

@@ -4,9 +4,8 @@
 (niceness 15, RAY_worker_niceness): the threads the core wakes with its outputs do not preempt it, and an idle
 core picks them up. "low": SCHED_IDLE (Linux; else niceness 19): any waking front-end thread preempts it at once.
 "auto": high while the node's engine cores (registered in `registry_dir()`, one file per core process holding
-its thread count) leave at least one CPU to everything else, low where they fill every CPU. Measured, one
-replica on 2 CPUs (README, Serving over HTTP): high serves 20-45% more tokens per second than low; with two
-replicas' cores on 2 CPUs, low cut the KV-aware router's TTFT p50 by 12-31 ms against niceness 19 (Cluster layer)."""
+its thread count) leave at least one CPU to everything else, low where they fill every CPU. The evidence:
+docs/decisions/03-core-process-priority.md."""
 
 import logging
 import os

@@ -42,7 +42,7 @@ def run(
     if (why := backend_unavailable(backend, dtype)) is not None:
         pytest.skip(why)
     llm = LLM(MODEL, dtype=dtype, attention_backend=backend, **options)
-    runner = getattr(llm.engine.executor, "runner", None)  # TP > 1: the runners live in the workers
+    runner = getattr(llm.engine.local_core.executor, "runner", None)  # TP > 1: the runners live in the workers
     assert llm.engine.config.attention_backend == backend
     assert runner is None or runner.model.layers[0].self_attn.attn.ops.name == backend
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False), llm
@@ -88,7 +88,7 @@ def test_greedy_tokens_equal_transformers(
     if (why := backend_unavailable(backend)) is not None:
         pytest.skip(why)
     llm = LLM(MODEL, dtype="float32", attention_backend=backend, **SCENARIOS[scenario])
-    runner, swaps = llm.engine.executor.runner, []
+    runner, swaps = llm.engine.local_core.executor.runner, []
     swap_blocks = runner.swap_blocks
     runner.swap_blocks = lambda pairs, to_cpu: (swaps.append((len(pairs), to_cpu)), swap_blocks(pairs, to_cpu))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)

@@ -146,7 +146,7 @@ def test_triton_backend_matches_torch(oracle) -> None:
     short = [p[:40] for p in prompts[1:4]]
     reference, _ = engine_greedy("demo:llama-tiny", short, 6, attention_backend="torch")
     got, llm = engine_greedy("demo:llama-tiny", short, 6, attention_backend="triton", max_num_batched_tokens=16)
-    assert llm.engine.executor.runner.model.layers[0].self_attn.attn.ops.name == "triton"
+    assert llm.engine.local_core.executor.runner.model.layers[0].self_attn.attn.ops.name == "triton"
     again = llm.generate([{"prompt_token_ids": p} for p in short], llm_params(6), use_tqdm=False)
     assert got == reference
     assert [o.outputs[0].token_ids for o in again] == reference

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conveyor.engine.checkpoints import demo
-from conveyor.engine.checkpoints.demo import make_model, resolve_model
+from conveyor.engine.checkpoints.demo import make_model
+from conveyor.engine.checkpoints.model_source import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = {
@@ -76,7 +77,7 @@ def test_rerun_byte_identical(cache: Path, tmp_path: Path, kw: dict) -> None:
 
 def test_fresh_process_byte_identical(cache: Path, tmp_path: Path) -> None:
     env = {**os.environ, "CONVEYOR_CACHE": str(tmp_path / "fresh_cache"), "RAYON_NUM_THREADS": "1"}
-    code = f"from engine.demo import make_model; make_model({str(tmp_path / 'sub')!r}, arch='qwen3', tied=True)"
+    code = f"from conveyor.engine.checkpoints.demo import make_model; make_model({str(tmp_path / 'sub')!r}, arch='qwen3', tied=True)"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)
     assert list((tmp_path / "fresh_cache" / "tokenizer").glob("*.json"))
     here = read_all(make_model(tmp_path / "here", arch="qwen3", tied=True))

@@ -1,6 +1,6 @@
 from transformers import AutoTokenizer
 
-from conveyor.engine.checkpoints.demo import resolve_model
+from conveyor.engine.checkpoints.model_source import resolve_model
 from conveyor.engine.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.engine.sampling_params import SamplingParams
 

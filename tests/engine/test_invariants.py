@@ -62,7 +62,7 @@ def test_engine_workload_with_preemption_and_cache_hits_passes(mode: str) -> Non
         swap_space=2**20,
         check_invariants=True,
     )
-    assert llm.engine.scheduler.runner_batch is llm.engine.executor.runner.batch
+    assert llm.engine.local_core.scheduler.runner_batch is llm.engine.local_core.executor.runner.batch
     shared = list(range(100, 112))
     prompts = [{"prompt_token_ids": shared + [200 + i] * (3 + i)} for i in range(4)]
     outs = llm.generate(prompts * 2, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
@@ -160,7 +160,7 @@ def test_persistent_batch_row_out_of_step_is_caught_in_the_engine_step() -> None
     engine = llm.engine
     engine.add_request("r", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     engine.step()
-    batch = engine.executor.runner.batch
+    batch = engine.local_core.executor.runner.batch
     row = batch.rows["r"]
     batch.block_table[row, 0] = (batch.block_table[row, 0] + 1) % 32
     with pytest.raises(InvariantError, match=f"persistent batch row {row} holds blocks"):

@@ -47,7 +47,7 @@ def test_drained_events_track_the_engine_cache_through_evictions() -> None:
         max_num_batched_tokens=256,
         enable_prefix_caching=True,
     )
-    kv = llm.engine.block_manager
+    kv = llm.engine.local_core.block_manager
     rng = random.Random(0)
     index: set[bytes] = set()
     systems = [[rng.randrange(4, 8000) for _ in range(80)] for _ in range(4)]

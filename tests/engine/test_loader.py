@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.checkpoints.demo import resolve_model
+from conveyor.engine.checkpoints.model_source import resolve_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

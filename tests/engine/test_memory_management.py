@@ -290,8 +290,8 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def record_steps(llm: LLM) -> list[SchedulerOutput]:
-    steps, execute = [], llm.engine.executor.execute_model
-    llm.engine.executor.execute_model = lambda so: (steps.append(so), execute(so))[1]
+    steps, execute = [], llm.engine.local_core.executor.execute_model
+    llm.engine.local_core.executor.execute_model = lambda so: (steps.append(so), execute(so))[1]
     return steps
 
 
@@ -301,7 +301,7 @@ def test_prefix_cache_hits_keep_greedy_outputs(reference) -> None:
     shared = [base, base[:21] + tokens(rng, 9), base[:37] + tokens(rng, 4), base[:16], base + tokens(rng, 9)]
     other = [tokens(rng, 40) for _ in range(3)]
     llm = LLM(MODEL, dtype="float32", block_size=8, num_blocks=24, max_num_seqs=2)
-    kv = llm.engine.block_manager
+    kv = llm.engine.local_core.block_manager
     assert greedy(llm, shared) == reference(shared)
     first = llm.engine.stats().prefix_cache_hits
     assert first >= 16 + 16 + 32 + 8, "partial-block and whole-prompt prefixes hit full blocks only"
@@ -347,7 +347,7 @@ def test_swap_round_trip_and_fallback_to_recompute(reference) -> None:
         preemption_mode="swap",
         swap_space=4 * 32768,
     )
-    assert llm.engine.block_manager.num_swap_blocks == 4, "room for the smaller victims only"
+    assert llm.engine.local_core.block_manager.num_swap_blocks == 4, "room for the smaller victims only"
     steps = record_steps(llm)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
@@ -391,7 +391,7 @@ def test_short_requests_decode_every_step_beside_long_prompts(reference) -> None
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        so, live = steps[-1], {r for r in engine.scheduler.requests if r[0] == "s"}
+        so, live = steps[-1], {r for r in engine.local_core.scheduler.requests if r[0] == "s"}
         sizes = {c.req_id: len(c.token_ids) for c in so.chunks}
         assert all(r in sizes for r in live), f"step {len(steps)}: a short request did not decode"
         assert all(n <= 8 for r, n in sizes.items() if r[0] == "l")

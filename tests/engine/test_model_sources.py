@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.checkpoints.demo import resolve_model as resolve_demo
 from conveyor.engine.checkpoints.gguf import check_gguf
 from conveyor.engine.checkpoints.model_source import resolve_model
 from tests.helpers import hf_greedy
@@ -103,7 +102,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_f32_gguf_is_the_checkpoint_it_was_written_from(cache: Path, tmp_path: Path) -> None:
-    src = Path(resolve_demo("demo:llama-tiny"))
+    src = Path(resolve_model("demo:llama-tiny"))
     gguf = write_gguf(src, tmp_path / "tiny.gguf")
     path = Path(resolve_model(str(gguf)))
     assert path.parent == cache / "models" / "gguf" and resolve_model(str(tmp_path)) == str(path)
@@ -120,7 +119,7 @@ def test_f32_gguf_is_the_checkpoint_it_was_written_from(cache: Path, tmp_path: P
 
 
 def test_quantised_gguf_matches_transformers_on_the_gguf(cache: Path, tmp_path: Path) -> None:
-    gguf = write_gguf(Path(resolve_demo("demo:llama-tiny")), tmp_path / "q8.gguf", q8_mlp=True)
+    gguf = write_gguf(Path(resolve_model("demo:llama-tiny")), tmp_path / "q8.gguf", q8_mlp=True)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf.name, dtype=torch.float32)
     expected = []
     for ids in PROMPTS:
@@ -139,7 +138,7 @@ def test_quantised_gguf_matches_transformers_on_the_gguf(cache: Path, tmp_path: 
 
 
 def test_unsupported_gguf_is_refused_by_name(cache: Path, tmp_path: Path) -> None:
-    src = Path(resolve_demo("demo:llama-tiny"))
+    src = Path(resolve_model("demo:llama-tiny"))
     with pytest.raises(ValueError, match="architecture 'gpt2'"):
         resolve_model(str(write_gguf(src, tmp_path / "gpt2.gguf", arch="gpt2")))
     bad = write_gguf(src, tmp_path / "q8_1.gguf", raw_type=GGMLQuantizationType.Q8_1)
@@ -173,9 +172,9 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_hub_id_offline_from_the_local_cache(hub: Path) -> None:
-    src = Path(resolve_demo("demo:llama-tiny"))
+    src = Path(resolve_model("demo:llama-tiny"))
     main = hub_cache(hub, "acme/tiny-llama", src)
-    tagged = hub_cache(hub, "acme/tiny-llama", Path(resolve_demo("demo:qwen2-tiny")), "b" * 40, "v2")
+    tagged = hub_cache(hub, "acme/tiny-llama", Path(resolve_model("demo:qwen2-tiny")), "b" * 40, "v2")
     assert resolve_model("acme/tiny-llama") == str(main)
     assert resolve_model("acme/tiny-llama", revision="v2") == str(tagged)
     assert resolve_model("acme/tiny-llama", revision="b" * 40) == str(tagged)
@@ -193,7 +192,7 @@ def test_hub_id_offline_from_the_local_cache(hub: Path) -> None:
 def test_app_args_revision_and_served_model_name(hub: Path) -> None:
     from conveyor.deployments.app import AppArgs
 
-    hub_cache(hub, "acme/tiny-llama", Path(resolve_demo("demo:llama-tiny")))
+    hub_cache(hub, "acme/tiny-llama", Path(resolve_model("demo:llama-tiny")))
     args = AppArgs(model="acme/tiny-llama", revision="main", served_model_name="tiny")
     assert args.engine_config()["revision"] == "main"
     with pytest.raises(ValueError, match="revision 'nope'"):

@@ -84,7 +84,7 @@ def test_table_is_transformers_cos_sin(tmp_path: Path, kind: str) -> None:
 def test_one_table_sized_to_max_model_len(tmp_path: Path) -> None:
     path = model_with(tmp_path, ROPE["yarn"])
     llm = LLM(path, dtype="float32", num_blocks=32, max_model_len=100)
-    model = llm.engine.executor.runner.model
+    model = llm.engine.local_core.executor.runner.model
     tables = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
     assert len(tables) == 1 and tuple(tables[0].cos.shape) == (100, 64)
 

@@ -33,7 +33,7 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     out = run(llm, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))[0]
     cut = greedy.index(stop)
     assert out.token_ids == greedy[: cut + 1] and out.finish_reason == "stop" and out.stop_reason == stop
-    llm.engine.scheduler.eos_token_ids.add(stop)
+    llm.engine.local_core.scheduler.eos_token_ids.add(stop)
     try:
         eos = run(llm, SamplingParams(temperature=0, max_tokens=12))[0]
         assert eos.token_ids == greedy[: cut + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
@@ -42,7 +42,7 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
         late = run(llm, SamplingParams(temperature=0, max_tokens=12, min_tokens=cut + 2))[0]
         assert stop not in late.token_ids[: cut + 2] and len(late.token_ids) >= cut + 2
     finally:
-        llm.engine.scheduler.eos_token_ids.discard(stop)
+        llm.engine.local_core.scheduler.eos_token_ids.discard(stop)
 
 
 def test_stop_string_across_token_boundaries(llm: LLM) -> None:

@@ -88,7 +88,7 @@ def test_json_schemas_greedy_and_sampled_batched_with_free_requests(llm: LLM) ->
         assert_valid(c.text, json.loads(p.structured.text))
     assert [o.outputs[0].token_ids for o in mixed[len(params) :]] == [o.outputs[0].token_ids for o in free_alone]
     assert_no_leak(llm)
-    assert not llm.engine.structured.matchers
+    assert not llm.engine.local_core.structured.matchers
 
 
 def test_regex_choice_json_object_and_n(llm: LLM) -> None:
@@ -145,7 +145,7 @@ def test_preempted_and_chunked_constrained_requests_give_the_same_output(llm: LL
         enable_prefix_caching=False,
     )
     got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.local_core.scheduler.num_preemptions > 0
     assert got == expected
     for text, p in zip(got, params):
         assert_valid(text, json.loads(p.structured.text))
@@ -186,7 +186,7 @@ def test_incompatible_options_raise() -> None:
 
 
 def test_slow_compile_does_not_stall_other_requests(llm: LLM) -> None:
-    manager = llm.engine.structured
+    manager = llm.engine.local_core.structured
     gate, real = threading.Event(), manager._compile
     manager._compile = lambda kind, text: gate.wait(30) and real(kind, text)
     try:
@@ -198,7 +198,7 @@ def test_slow_compile_does_not_stall_other_requests(llm: LLM) -> None:
         done: dict[str, str] = {}
         while "free" not in done:
             done.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
-        assert "slow" not in done and "slow" in engine.compiling
+        assert "slow" not in done and "slow" in engine.local_core.compiling
         gate.set()
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
@@ -213,11 +213,11 @@ def test_abort_while_compiling_and_while_running_releases(llm: LLM) -> None:
     engine.add_request("a", [5, 6], json_params(ARRAYS, True))
     assert engine.abort_request("a").finished
     engine.add_request("b", [5, 6], json_params(ARRAYS, True))
-    while "b" not in engine.structured.matchers:
+    while "b" not in engine.local_core.structured.matchers:
         engine.step()
     engine.step()
     assert engine.abort_request("b").outputs[0].finish_reason == "abort"
-    assert not engine.structured.matchers and not engine.compiling
+    assert not engine.local_core.structured.matchers and not engine.local_core.compiling
     assert_no_leak(llm)
 
 

@@ -68,11 +68,13 @@ def test_tp_matches_tp1(model: str, tp: int) -> None:
         assert got == want
         assert_logprobs_close(got_lp, want_lp)
         seq = prompts[2] + want[2][:-1]
-        logits = llm.engine.executor.collective_rpc(sequence_logits, seq)
+        logits = llm.engine.local_core.executor.collective_rpc(sequence_logits, seq)
         assert all(x is None for x in logits[1:])
         # Each rank times plain against oneDNN-packed GEMMs for its own shard's shape, so the ranks and the
         # tp=1 run may sum in different orders: up to 2.2e-4 apart on these logits (1.3e-6 per GEMM).
-        torch.testing.assert_close(logits[0], sequence_logits(ref.engine.executor.runner, seq), rtol=1e-4, atol=5e-4)
+        torch.testing.assert_close(
+            logits[0], sequence_logits(ref.engine.local_core.executor.runner, seq), rtol=1e-4, atol=5e-4
+        )
         assert_no_leak(llm)
     finally:
         llm.engine.shutdown()
@@ -121,7 +123,7 @@ class Replica:
         self.llm = LLM("demo:llama-tiny", dtype="float32", tensor_parallel_size=2)
 
     def generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], bool]:
-        return generate(self.llm, prompts)[0], self.llm.engine.executor.own_pg
+        return generate(self.llm, prompts)[0], self.llm.engine.local_core.executor.own_pg
 
     def shutdown(self) -> None:
         self.llm.engine.shutdown()
@@ -157,7 +159,7 @@ def test_unshardable_config_is_refused_before_any_worker_starts() -> None:
 
 def test_worker_killed_mid_stream_fails_fast() -> None:
     llm = LLM("demo:llama-tiny", dtype="float32", tensor_parallel_size=2)
-    engine, workers = llm.engine, llm.engine.executor.workers
+    engine, workers = llm.engine, llm.engine.local_core.executor.workers
     engine.add_request("a", prompt_ids("demo:llama-tiny")[3], SamplingParams(max_tokens=4000, ignore_eos=True))
     engine.step()
     threading.Timer(0.5, ray.kill, (workers[1],)).start()
@@ -178,7 +180,7 @@ def test_idle_worker_death_is_reported_by_health_check() -> None:
     engine = llm.engine
     try:
         engine.check_health()
-        ray.kill(engine.executor.workers[0])
+        ray.kill(engine.local_core.executor.workers[0])
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="rank 0 died or is unresponsive"):
             while time.monotonic() - start < 30:

@@ -39,10 +39,10 @@ def test_engine_metrics_follow_a_known_workload() -> None:
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         eng.add_request(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
     eng.add_request("s", prompts[0], SamplingParams(max_tokens=30, stop_token_ids=[], temperature=0))
-    aborted, seen, execute = None, [], eng.executor.execute_model
-    eng.executor.execute_model = lambda so: (seen.append(so.num_tokens), execute(so))[1]
+    aborted, seen, execute = None, [], eng.local_core.executor.execute_model
+    eng.local_core.executor.execute_model = lambda so: (seen.append(so.num_tokens), execute(so))[1]
     while eng.has_unfinished_requests():
-        if eng.scheduler.num_steps == 4:
+        if eng.local_core.scheduler.num_steps == 4:
             aborted = eng.abort_request("s")
             m.observe_output(aborted)
         for out in eng.step():
@@ -58,10 +58,10 @@ def test_engine_metrics_follow_a_known_workload() -> None:
     assert total(s, "conveyor:time_to_first_token_seconds_count") == 5
     assert total(s, "conveyor:request_queue_time_seconds_count") == 5
     assert total(s, "conveyor:request_decode_time_seconds_count") == 4  # not the aborted one
-    assert total(s, "conveyor:iteration_tokens_total_count") == len(seen) == eng.scheduler.num_steps
+    assert total(s, "conveyor:iteration_tokens_total_count") == len(seen) == eng.local_core.scheduler.num_steps
     assert total(s, "conveyor:iteration_tokens_total_sum") == sum(seen)
-    assert total(s, "conveyor:iteration_tokens_total_bucket", le="+Inf") == eng.scheduler.num_steps
-    assert total(s, "conveyor:prefix_cache_hits_total") == eng.block_manager.hits > 0
+    assert total(s, "conveyor:iteration_tokens_total_bucket", le="+Inf") == eng.local_core.scheduler.num_steps
+    assert total(s, "conveyor:prefix_cache_hits_total") == eng.local_core.block_manager.hits > 0
     assert total(s, "conveyor:kv_cache_usage_perc") == 0 and total(s, "conveyor:num_requests_running") == 0
 
 

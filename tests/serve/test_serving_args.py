@@ -38,9 +38,8 @@ def test_the_app_is_a_router_bound_to_a_replica() -> None:
     on_loop = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
     assert default._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == on_loop
     assert replica._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "1", **on_loop}
-    own_thread = build_app(AppArgs(engine_core_process=False, stream_interval=2, user_code_thread=True))
-    assert own_thread._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {}
-    kwargs = own_thread._bound_deployment.init_args[0]._bound_deployment.init_kwargs
+    inproc = build_app(AppArgs(engine_core_process=False, stream_interval=2))
+    kwargs = inproc._bound_deployment.init_args[0]._bound_deployment.init_kwargs
     assert kwargs["engine_core_process"] is False and kwargs["stream_interval"] == 2
 
 
