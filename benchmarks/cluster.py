@@ -464,8 +464,7 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
                 args,
                 engine=engine,
                 router_replicas=routers,
-                max_queue_time_s=args.max_queue_time,
-                admission=json.loads(args.admission),
+                admission={"max_queue_time_s": args.max_queue_time, **json.loads(args.admission)},
             )
         },
     )

@@ -43,7 +43,7 @@ class AdmissionConfig:
     max_queued: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
     saturate_on_preemption: bool = True
-    max_queue_time_s: float = 0.0
+    max_queue_time_s: float = 0.0  # the longest wait to start a request may be predicted (x queue_time_safety); 0: none
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0

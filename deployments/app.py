@@ -75,7 +75,6 @@ class AppArgs(BaseModel):
     autoscaling: AutoscalingConfig | None = None
     kv_autoscaling: KVAutoscaling | None = None
     admission: dict[str, Any] | None = {}
-    max_queue_time_s: float | None = Field(None, gt=0)
     request_router: dict[str, Any] | None = {}
     request_routing_stats_period_s: float = Field(0.5, gt=0)
     stats_push_s: float = Field(0.1, gt=0, le=0.1)
@@ -127,8 +126,6 @@ class AppArgs(BaseModel):
                 raise ValueError("kv_autoscaling.max_replicas: must be >= min_replicas")
         if self.admission is not None:
             check_fields("admission", AdmissionConfig, self.admission, ("block_size",))
-        elif self.max_queue_time_s is not None:
-            raise ValueError("max_queue_time_s: needs admission (it is off)")
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
@@ -157,8 +154,7 @@ class AppArgs(BaseModel):
             for k, v in (self.request_router or {}).items()
             if k in ("affinity_weight", "headroom_weight", "queue_weight")
         }
-        limit = {} if self.max_queue_time_s is None else {"max_queue_time_s": self.max_queue_time_s}
-        return {**weights, **(self.admission or {}), **limit, "block_size": self.block_size}
+        return {**weights, **(self.admission or {}), "block_size": self.block_size}
 
     def engine_config(self) -> dict[str, Any]:
         return {**self.engine, "model": self.model, "revision": self.revision}

@@ -216,8 +216,7 @@ def sections() -> tuple[Section, ...]:
             AdmissionConfig,
             "`args.admission` (`null` turns admission off). `block_size` follows "
             "`engine.block_size`; `affinity_weight`, `headroom_weight` and `queue_weight` "
-            "default to `args.request_router`'s; `max_queue_time_s` is set by "
-            "`args.max_queue_time_s`.",
+            "default to `args.request_router`'s.",
         ),
         Section(
             RouterConfig,

@@ -77,5 +77,5 @@ def test_drained_events_track_the_engine_cache_through_evictions() -> None:
 
 
 def test_prefix_hash_imports_without_torch() -> None:
-    code = "import sys, engine.prefix_hash, engine.kv_events, engine.stats; assert 'torch' not in sys.modules"
+    code = "import sys, conveyor.engine.core.prefix_hash, conveyor.engine.core.kv_events, conveyor.engine.stats; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

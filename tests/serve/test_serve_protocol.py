@@ -250,9 +250,7 @@ def test_cluster_layer_options() -> None:
     assert router.request_router_kwargs == {"affinity_weight": 2.0, "block_size": 32}
     (actor,) = opts["deployment_actors"]
     assert actor.name == "admission" and actor.init_kwargs == {"config": {"affinity_weight": 2.0, "block_size": 32}}
-    slo = apps.AppArgs(max_queue_time_s=2.0).replica_options()["deployment_actors"][0].init_kwargs["config"]
-    assert slo["max_queue_time_s"] == 2.0
-    with pytest.raises(ValueError, match="max_queue_time_s"):
-        apps.AppArgs(admission=None, max_queue_time_s=2.0)
+    slo = apps.AppArgs(admission={"max_queue_time_s": 2.0}).replica_options()["deployment_actors"][0]
+    assert slo.init_kwargs["config"]["max_queue_time_s"] == 2.0
     bare = apps.AppArgs(admission=None, request_router=None).replica_options()
     assert "request_router_config" not in bare and "deployment_actors" not in bare and bare["num_replicas"] == 1
