@@ -11,6 +11,7 @@ is 3 s x 5); the measured times print with MULTINODE, run with -s to see them.""
 
 import random
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 SLOT, ADMISSION = "conveyor_replica", "conveyor_admission"
 HANG_BOUND_S = 30.0
 RESUME_BOUND_S = 20.0
+STALE_BOUND_S = 3.0  # admission's staleness_s is 0.5; the rest is the router's refresh on 2 loaded cores
 HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5}
 ENGINE = dict(
     dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, block_size=16, num_blocks=256, max_model_len=512
@@ -130,6 +132,17 @@ def check_outcomes(outcomes: list[Outcome], lost_at: float, lost_replica: str | 
     }
 
 
+def watch_loss(mn: SimpleNamespace, lost: str, lost_at: float, seen: dict[str, float]) -> None:
+    """When /v1/cluster first shows the lost replica stale ("stale") and then gone ("dropped"), s after the loss."""
+    while "dropped" not in seen and time.time() - lost_at < 60:
+        rows = {r["replica_id"]: r for r in snapshot(mn)["replicas"]}
+        if "stale" not in seen and (lost not in rows or not rows[lost]["fresh"]):
+            seen["stale"] = time.time() - lost_at
+        if lost not in rows:
+            seen["dropped"] = time.time() - lost_at
+        time.sleep(0.05)
+
+
 def pools_whole(mn: SimpleNamespace, n: int) -> None:
     def whole() -> bool:
         rows = fresh_rows(mn)
@@ -180,19 +193,18 @@ def test_worker_node_lost_under_load(mn: SimpleNamespace) -> None:
     lost_at = time.time()
     mn.cluster.remove_node(victim, allow_graceful=False)
     killed_s = time.time() - lost_at
+    seen: dict[str, float] = {}
+    watcher = threading.Thread(target=watch_loss, args=(mn, lost, lost_at, seen), daemon=True)
+    watcher.start()
     probes: list[tuple[float, int, str]] = []
-    stale_at = dropped_at = None
     with httpx.Client(base_url=mn.url, timeout=HANG_BOUND_S) as client:
         while time.time() - lost_at < RESUME_BOUND_S + 5 or burst.thread.is_alive():
             t = time.time()
             r = complete(client, f"probe {len(probes)}")
             probes.append((t - lost_at, r.status_code, r.headers.get("x-conveyor-replica", "")))
-            rows = {r["replica_id"]: r for r in snapshot(mn)["replicas"]}
-            if stale_at is None and (lost not in rows or not rows[lost]["fresh"]):
-                stale_at = time.time() - lost_at
-            if dropped_at is None and lost not in rows:
-                dropped_at = time.time() - lost_at
             time.sleep(0.25)
+    watcher.join(60)
+    stale_at, dropped_at = seen.get("stale"), seen.get("dropped")
     outcomes = burst.join(HANG_BOUND_S + 60)
     summary = check_outcomes(outcomes, lost_at, lost)
     failed = [p for p in probes if p[1] != 200]
@@ -210,7 +222,7 @@ def test_worker_node_lost_under_load(mn: SimpleNamespace) -> None:
     )
     assert summary["errors"] < len(outcomes), "the survivors served nothing"
     assert resumed <= RESUME_BOUND_S, probes
-    assert stale_at is not None and stale_at <= 2.0, "admission kept the lost replica as fresh"
+    assert stale_at is not None and stale_at <= STALE_BOUND_S, "admission kept the lost replica as fresh"
     after_stale = [p for p in probes if p[0] > stale_at]
     assert all(p[1] == 200 and p[2] != lost for p in after_stale), "a request failed after the loss was visible"
     after = Burst(mn.url, 30, max_tokens=16, timeout_s=60, tag="after").start().join(90)
