@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from conveyor.engine.step_trace import StepRecord, assign_slots  # noqa: E402
+from conveyor.engine.core.step_trace import StepRecord, assign_slots  # noqa: E402
 
 COLOURS = {"idle": "#f2f2f2", "prefill": "#d95f02", "decode": "#1b9e77", "padding": "#9e9e9e"}
 

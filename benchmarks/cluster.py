@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import socket
-import statistics
 import tempfile
 import time
 from collections import Counter, OrderedDict
@@ -39,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.percentiles import percentile
 from benchmarks.sse import read_completion_stream, server_timing_ms
 from conveyor.deployments.ingress import haproxy_enabled, use_haproxy
 
@@ -61,7 +61,7 @@ def oracle_hit_rate(
     """Each request to the replica whose LRU cache holds the longest prefix of it (ties: fewest requests). As
     in the engine, the full blocks of its output are cached too (keys no other request has); unlike it, no
     block is ever pinned by a running request, so the oracle's caches hold more: an upper bound."""
-    from conveyor.engine.prefix_hash import block_hashes
+    from conveyor.engine.core.prefix_hash import block_hashes
 
     caches: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
     sent, hits, queries, served = [0] * replicas, 0, 0, 0
@@ -136,10 +136,6 @@ async def stream_one(
             "egress": egress_ms / 1000 if egress_ms is not None else None,
             "admission": admission_ms / 1000 if admission_ms is not None else None,
         }
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1] if len(xs) > 1 else xs[0]
 
 
 def wait_for_ports(ports: list[tuple[str, int]], timeout_s: float = 60.0) -> None:
@@ -318,7 +314,7 @@ def routing(url: str, args: argparse.Namespace) -> None:
             res[app].append(r)
             split = ", ".join(f"{n} req at {h:.0%} hits" for n, h in per_replica(view, view_after))
             print(
-                f"round {rnd} {app}: TTFT p50 {1000 * pct(r['ttft'], 0.5):.1f} ms, p99 {1000 * pct(r['ttft'], 0.99):.1f} "
+                f"round {rnd} {app}: TTFT p50 {1000 * percentile(r['ttft'], 0.5):.1f} ms, p99 {1000 * percentile(r['ttft'], 0.99):.1f} "
                 f"ms, hit rate {r['hits'] / max(1, r['queries']):.1%}, {elapsed:.1f} s; replicas: {split}; a replica "
                 f"saturated in {saturated:.0%} of samples",
                 flush=True,
@@ -336,7 +332,7 @@ def routing(url: str, args: argparse.Namespace) -> None:
         ttft = [t for r in runs for t in r["ttft"]]
         tps = sum(r["tokens"] for r in runs) / sum(r["elapsed"] for r in runs)
         hit = sum(r["hits"] for r in runs) / max(1, sum(r["queries"] for r in runs))
-        stat[app] = (pct(ttft, 0.5), pct(ttft, 0.99), hit)
+        stat[app] = (percentile(ttft, 0.5), percentile(ttft, 0.99), hit)
         print(
             f"| {ROUTERS[app]} | {1000 * stat[app][0]:.1f} | {1000 * stat[app][1]:.1f} | {tps:.1f} | {hit:.1%} | "
             f"{sum(r['refused'] for r in runs)} |"
@@ -347,12 +343,12 @@ def routing(url: str, args: argparse.Namespace) -> None:
         if inside:
             router, replica, ingress, egress, admission = ([x[i] for x in inside] for i in range(5))
             print(
-                f"{ROUTERS[app]}: TTFT inside the router p50/p99 {1000 * pct(router, 0.5):.1f} / "
-                f"{1000 * pct(router, 0.99):.1f} ms, of which in the replica (arrival to first token) "
-                f"{1000 * pct(replica, 0.5):.1f} / {1000 * pct(replica, 0.99):.1f} ms; p50 of router receipt to engine "
-                f"arrival {1000 * pct(ingress, 0.5):.1f} ms (to the handle call {1000 * pct(admission, 0.5):.1f} ms, p99 "
-                f"{1000 * pct(admission, 0.99):.1f}), of first token out to the router "
-                f"{1000 * pct(egress, 0.5):.1f} ms"
+                f"{ROUTERS[app]}: TTFT inside the router p50/p99 {1000 * percentile(router, 0.5):.1f} / "
+                f"{1000 * percentile(router, 0.99):.1f} ms, of which in the replica (arrival to first token) "
+                f"{1000 * percentile(replica, 0.5):.1f} / {1000 * percentile(replica, 0.99):.1f} ms; p50 of router receipt to engine "
+                f"arrival {1000 * percentile(ingress, 0.5):.1f} ms (to the handle call {1000 * percentile(admission, 0.5):.1f} ms, p99 "
+                f"{1000 * percentile(admission, 0.99):.1f}), of first token out to the router "
+                f"{1000 * percentile(egress, 0.5):.1f} ms"
             )
     if len(stat) < 2:
         return
@@ -515,16 +511,16 @@ def overload(url: str, args: argparse.Namespace, routers: int) -> None:
         f"| requests | 200 (complete) | 429 | 429 without Retry-After | lost | admitted TTFT p50 | admitted TTFT p99 "
         f"| pools whole after |\n|---:|---:|---:|---:|---:|---:|---:|---|\n| {len(results)} | {len(ok)} | "
         f"{len(refused)} ({', '.join(codes)}) | {no_retry_after} | {lost}{f' ({dict(kinds)})' if kinds else ''} | "
-        f"{pct(ttft, 0.5):.2f} s | "
-        f"{pct(ttft, 0.99):.2f} s | {whole} |"
+        f"{percentile(ttft, 0.5):.2f} s | "
+        f"{percentile(ttft, 0.99):.2f} s | {whole} |"
     )
     router_ttft = [r["router_ttft"] for r in ok if r.get("router_ttft") is not None]
     if router_ttft and refused:
         refusal = [r["latency"] for r in refused]
         print(
-            f"admitted TTFT inside the router (Server-Timing) p50/p99 {pct(router_ttft, 0.5):.2f} / "
-            f"{pct(router_ttft, 0.99):.2f} s; a 429's latency at the client p50/p99 {pct(refusal, 0.5):.2f} / "
-            f"{pct(refusal, 0.99):.2f} s"
+            f"admitted TTFT inside the router (Server-Timing) p50/p99 {percentile(router_ttft, 0.5):.2f} / "
+            f"{percentile(router_ttft, 0.99):.2f} s; a 429's latency at the client p50/p99 {percentile(refusal, 0.5):.2f} / "
+            f"{percentile(refusal, 0.99):.2f} s"
         )
     if lost:
         print("lost:", [r for r in results if r not in ok and r not in refused][:5])

@@ -64,7 +64,7 @@ def main() -> None:
     child = serving.start_haproxy_child(opts)
     try:
         serving.haproxy_deploy(child, "/")
-        core = newest("conveyor.engine.core_process")
+        core = newest("conveyor.engine.process.core_process")
         front = [newest("ServeReplica:default:Router"), newest("ServeReplica:default:LLMReplica")]
         base = f"http://127.0.0.1:{opts.port + 1}"
         results: dict[str, list[float]] = {s: [] for s in args.settings}

@@ -8,7 +8,7 @@ greedy outputs are identical.
 
 memory-pressure (--pressure-models, default tiny): N requests, prompts U[32, 160], outputs U[64, 192]
 (exact), at most 32 running; the KV cache holds ~60% of the demand (32 x the mean request's blocks).
-Watermark off (0) / fixed (0.05) / adaptive (from 0.01, engine/watermark.py), recompute vs swap (swap
+Watermark off (0) / fixed (0.05) / adaptive (from 0.01, engine/core/watermark.py), recompute vs swap (swap
 space = the KV cache's size). Reports preemptions, blocks swapped out, tokens recomputed after
 preemption and output tokens/s, and checks that greedy outputs are identical across the six runs."""
 
@@ -51,7 +51,7 @@ def run(model: str, workload, n: int, seed: int, **options: object) -> dict:
     before = llm.engine.stats()
     counts = {"steps": 0, "prompt_tokens": 0, "tokens": 0, "swapped_blocks": 0, "prompt_s": 0.0, "decode_s": 0.0}
     prompt_len: dict[str, int] = {}
-    execute = llm.engine.executor.execute_model
+    execute = llm.engine.local_core.executor.execute_model
 
     def counted(so: SchedulerOutput):
         counts["steps"] += 1
@@ -65,7 +65,7 @@ def run(model: str, workload, n: int, seed: int, **options: object) -> dict:
         counts["prompt_s" if prompt else "decode_s"] += time.perf_counter() - start
         return out
 
-    llm.engine.executor.execute_model = counted
+    llm.engine.local_core.executor.execute_model = counted
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -80,7 +80,7 @@ def run(model: str, workload, n: int, seed: int, **options: object) -> dict:
         "hits": stats.prefix_cache_hits - before.prefix_cache_hits,
         "preemptions": stats.num_preemptions - before.num_preemptions,
         "recomputed": counts["tokens"] - sum(len(p) + len(o) - 1 for p, o in zip(prompts, outputs)),
-        "blocks": llm.engine.block_manager.num_blocks,
+        "blocks": llm.engine.local_core.block_manager.num_blocks,
     }
 
 
@@ -121,7 +121,7 @@ def pressure_table(models: list[str], n: int, seed: int, repeats: int) -> None:
     for model in models:
         probe = LLM(model, dtype="float32", num_blocks=1)
         prompts, params = pressure(n, probe.engine.vocab_size, seed)
-        bs, block_bytes = probe.engine.config.block_size, probe.engine.executor.runner.block_bytes
+        bs, block_bytes = probe.engine.config.block_size, probe.engine.local_core.executor.runner.block_bytes
         mean_blocks = sum(-(-(len(p) + q.max_tokens) // bs) for p, q in zip(prompts, params)) / n
         blocks = int(0.6 * 32 * mean_blocks)
         reference = None

@@ -13,20 +13,26 @@ import time
 import torch
 
 from benchmarks.lengths import Lengths, token_prompts
+from benchmarks.percentiles import percentile
 from conveyor.engine import LLM, SamplingParams
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[dict[str, float], list[list[int]]]:
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(max_tokens=4), use_tqdm=False)
-    llm.engine.step_trace.enable()
+    llm.engine.local_core.step_trace.enable()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    records = llm.engine.step_trace.disable()
+    records = llm.engine.local_core.step_trace.disable()
     tokens = [o.outputs[0].token_ids for o in outs]
-    waits = statistics.quantiles([r.duration_s for r in records for w in r.work if w.kind == "decode"], n=100)
+    waits = [r.duration_s for r in records for w in r.work if w.kind == "decode"]
     ttft = statistics.mean(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
-    return {"tok_s": sum(map(len, tokens)) / elapsed, "p50": waits[49], "p99": waits[98], "ttft": ttft}, tokens
+    return {
+        "tok_s": sum(map(len, tokens)) / elapsed,
+        "p50": percentile(waits, 0.5),
+        "p99": percentile(waits, 0.99),
+        "ttft": ttft,
+    }, tokens
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.lengths import Lengths, text_prompts, token_prompts
+from benchmarks.percentiles import summary as percentiles
 
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 
@@ -64,13 +65,6 @@ def parse_slo(spec: str | None) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"--slo: {part!r}: the value must be seconds") from None
     return slo
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values)
-    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
 
 
 class Client:

@@ -19,13 +19,14 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.percentiles import percentile
 
 HERE = Path(__file__).resolve().parent
 import aiohttp  # noqa: E402
@@ -105,7 +106,7 @@ async def http_request(
 
 
 ROLES = (
-    ("conveyor.engine.core_process", "core"),
+    ("conveyor.engine.process.core_process", "core"),
     ("LLMReplica", "replica"),
     ("Router", "router"),
     ("ProxyActor", "proxy"),
@@ -348,7 +349,7 @@ def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
 
 
 def ms(xs: list[float], q: float = 0.5) -> float:
-    return 1000 * statistics.quantiles(xs, n=100)[int(q * 100) - 1] if len(xs) > 1 else 1000 * xs[0]
+    return 1000 * percentile(xs, q)
 
 
 def build_parser() -> argparse.ArgumentParser:

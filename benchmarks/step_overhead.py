@@ -43,7 +43,7 @@ def measure(seqs: int, prompt_len: int, steps: int, stream: bool) -> dict[str, f
         num_blocks=seqs * (prompt_len + steps + 64) // 16 + 16,
         enable_prefix_caching=True,
     )
-    engine, runner = llm.engine, llm.engine.executor.runner
+    engine, runner = llm.engine, llm.engine.local_core.executor.runner
     engine.stream_outputs = stream
     runner._run = null_run(engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -51,7 +51,7 @@ def measure(seqs: int, prompt_len: int, steps: int, stream: bool) -> dict[str, f
         engine.add_request(str(i), [(i * 7 + j) % 1000 + 5 for j in range(prompt_len)], params)
     engine.step()  # every prompt in one prefill step
     phases: dict[str, list[float]] = defaultdict(list)
-    sched = engine.scheduler
+    sched = engine.local_core.scheduler
     sched.schedule = timed(phases, "schedule", sched.schedule)
     sched.update = timed(phases, "update", sched.update)
     runner.execute_model = timed(phases, "prepare", runner.execute_model)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-import conveyor.engine.model_runner as model_runner
-import conveyor.engine.sampler as sampler
+import conveyor.engine.execution.model_runner as model_runner
+import conveyor.engine.execution.sampler as sampler
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.sampling_params import StructuredParams
 
@@ -65,7 +65,7 @@ class Timed:
 def run(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> tuple[float, float, list[int], float]:
     """(wall s, process CPU s, output tokens per request, s in constraint work: mask fill, matcher advance,
     bitmask rows for the sampler, applying the mask to the logits)."""
-    manager = llm.engine.structured
+    manager = llm.engine.local_core.structured
     fill, accept = manager.bitmask, manager.accept
     manager.bitmask, manager.accept = Timed(fill), Timed(accept)
     rows, apply = model_runner.add_constraints, sampler.apply_bitmask

@@ -23,7 +23,7 @@ import sys
 import time
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.step_trace import KINDS, StepRecord
+from conveyor.engine.core.step_trace import KINDS, StepRecord
 
 
 def workload(n: int, seed: int, vocab: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -59,11 +59,11 @@ def measure(model: str, dtype: str, policy: str, n: int, seed: int, warmup: str 
         return step()
 
     llm.engine.step = counted
-    llm.engine.step_trace.enable()
+    llm.engine.local_core.step_trace.enable()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    records = llm.engine.step_trace.disable()
+    records = llm.engine.local_core.step_trace.disable()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats()
     return {

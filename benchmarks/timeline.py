@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.lengths import Lengths, token_prompts
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.step_trace import StepRecord, chrome_trace
+from conveyor.engine.core.step_trace import StepRecord, chrome_trace
 
 
 def trace_run(
@@ -20,10 +20,10 @@ def trace_run(
 ) -> tuple[list[StepRecord], list[list[int]]]:
     llm = LLM(model, scheduling_policy=policy, **options)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.engine.step_trace.enable()
+    llm.engine.local_core.step_trace.enable()
     params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in outputs]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return llm.engine.step_trace.disable(), [o.outputs[0].token_ids for o in outs]
+    return llm.engine.local_core.step_trace.disable(), [o.outputs[0].token_ids for o in outs]
 
 
 def summary(records: list[StepRecord]) -> dict[str, Any]:

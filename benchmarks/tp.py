@@ -13,6 +13,8 @@ import os
 import statistics
 import time
 
+from benchmarks.percentiles import percentile
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import ray  # noqa: E402
@@ -24,7 +26,7 @@ from conveyor.engine.step import SchedulerOutput  # noqa: E402
 
 def dispatch_overhead_ms(llm: LLM, steps: int, batch: int) -> tuple[float, float]:
     so = SchedulerOutput(finished_req_ids=[f"req-{i}" for i in range(batch)])
-    ex = llm.engine.executor
+    ex = llm.engine.local_core.executor
     for _ in range(20):
         ex.execute_model(so)
     times = []
@@ -32,14 +34,14 @@ def dispatch_overhead_ms(llm: LLM, steps: int, batch: int) -> tuple[float, float
         t = time.perf_counter()
         ex.execute_model(so)
         times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), statistics.quantiles(times, n=10)[-1]
+    return percentile(times, 0.5), percentile(times, 0.9)
 
 
 def idle_cpu_percent(llm: LLM, seconds: float = 2.0) -> float:
     """CPU a waiting rank burns (mean over ranks, % of one core): a spinning channel shows up here."""
     import psutil
 
-    workers = getattr(llm.engine.executor, "workers", [])
+    workers = getattr(llm.engine.local_core.executor, "workers", [])
     if not workers:
         return 0.0
     procs = [psutil.Process(i.pid) for i in ray.get([w.info.remote() for w in workers])]
@@ -79,7 +81,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for TP=1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     opts = dict(dtype="float32", max_num_seqs=args.num_prompts, max_model_len=256, enable_prefix_caching=False)
     rows = []
     try:

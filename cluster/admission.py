@@ -22,6 +22,7 @@ from conveyor.cluster.hot_blocks import HotBlocks
 from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.queue_time import queue_time_s, retry_after_s
 from conveyor.cluster.reservations import Reservation, ReservationBook, SettleRule
+from conveyor.cluster.rules import check_rules
 from conveyor.cluster.score import replica_score
 from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
 from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
@@ -52,20 +53,29 @@ class AdmissionConfig:
     hot_window_s: float = 10.0
     hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
     lease_s: float = 1.0
-    # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: 277 -> 150 ms/s of idle CPU,
-    # but the routing bench's first round after idling lost hit rate in 6 of 9 runs with it, 0 of 8 without
+    # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: less idle CPU, staler views
+    # when load returns (docs/decisions/07-quiet-when-idle-off.md)
     quiet_when_idle: bool = False
 
     def __post_init__(self) -> None:
-        assert 0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high"
-        assert 0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"
-        assert self.settle_s >= 0.0 and self.retry_after_s >= 0.0 and self.block_size >= 1
-        assert self.settle_max_s >= 0.0 and self.arrival_credit_s >= 0.0, "settle_max_s, arrival_credit_s >= 0"
-        assert self.queue_timeout_s >= 0.0 and self.max_queued >= 0, "queue_timeout_s, max_queued must be >= 0"
-        assert self.max_queue_time_s >= 0.0 and self.rate_window_s > 0.0, "max_queue_time_s >= 0, rate_window_s > 0"
-        assert self.queue_time_safety >= 1.0, "queue_time_safety must be >= 1"
-        assert self.hot_window_s > 0.0 and 0.0 < self.hot_fraction <= 1.0, "hot_window_s > 0, 0 < hot_fraction <= 1"
-        assert self.lease_s > 0.0, "lease_s must be > 0"
+        rules = {
+            "low_watermark": (0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high_watermark"),
+            "staleness_s": (0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"),
+            "settle_s": (self.settle_s >= 0.0, "must be >= 0"),
+            "retry_after_s": (self.retry_after_s >= 0.0, "must be >= 0"),
+            "block_size": (self.block_size >= 1, "must be >= 1"),
+            "settle_max_s": (self.settle_max_s >= 0.0, "must be >= 0"),
+            "arrival_credit_s": (self.arrival_credit_s >= 0.0, "must be >= 0"),
+            "queue_timeout_s": (self.queue_timeout_s >= 0.0, "must be >= 0"),
+            "max_queued": (self.max_queued >= 0, "must be >= 0"),
+            "max_queue_time_s": (self.max_queue_time_s >= 0.0, "must be >= 0"),
+            "rate_window_s": (self.rate_window_s > 0.0, "must be > 0"),
+            "queue_time_safety": (self.queue_time_safety >= 1.0, "must be >= 1"),
+            "hot_window_s": (self.hot_window_s > 0.0, "must be > 0"),
+            "hot_fraction": (0.0 < self.hot_fraction <= 1.0, "must be in (0, 1]"),
+            "lease_s": (self.lease_s > 0.0, "must be > 0"),
+        }
+        check_rules(rules)
 
     @property
     def watermarks(self) -> Watermarks:

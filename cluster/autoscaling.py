@@ -3,7 +3,7 @@
 Demand is what a replica's KV cache is committed to: blocks held, the waiting prompts' blocks and the likely
 growth of what runs and waits (EngineStats.kv_demand). Admission charges that growth (cluster.admission) and
 fills a replica only to its high watermark of demand, so the blocks in use alone stay well below it (~0.5 of the
-cache on tests/test_cluster_e2e.py's load, where demand reads ~0.8) and would never call for a new replica.
+cache on tests/e2e/test_cluster_e2e.py's load, where demand reads ~0.8) and would never call for a new replica.
 
 desired = ceil(n * mean_demand / target) outside a dead band of +-tolerance around the target,
 raised to ceil(n * mean_waiting / target_waiting_per_replica) when queues are long; a direction
@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
+from conveyor.cluster.rules import check_rules
+
 if TYPE_CHECKING:
     from conveyor.engine.stats import EngineStats
 
@@ -43,11 +45,15 @@ class KVScalingConfig:
     max_replicas: int = 8
 
     def __post_init__(self) -> None:
-        assert 0.0 < self.target_kv_utilization <= 1.0, "target_kv_utilization must be in (0, 1]"
-        assert 0.0 <= self.tolerance < 1.0, "tolerance must be in [0, 1)"
-        assert self.target_waiting_per_replica > 0, "target_waiting_per_replica must be > 0"
-        assert self.upscale_delay_s >= 0 and self.downscale_delay_s >= 0, "delays must be >= 0"
-        assert 0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"
+        rules = {
+            "target_kv_utilization": (0.0 < self.target_kv_utilization <= 1.0, "must be in (0, 1]"),
+            "tolerance": (0.0 <= self.tolerance < 1.0, "must be in [0, 1)"),
+            "target_waiting_per_replica": (self.target_waiting_per_replica > 0, "must be > 0"),
+            "upscale_delay_s": (self.upscale_delay_s >= 0, "must be >= 0"),
+            "downscale_delay_s": (self.downscale_delay_s >= 0, "must be >= 0"),
+            "min_replicas": (0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"),
+        }
+        check_rules(rules)
 
 
 def autoscaling_metrics(stats: "EngineStats") -> dict[str, float]:

@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Sequence
 
-from conveyor.engine import prefix_hash
+from conveyor.engine.core import prefix_hash
 from conveyor.engine.stats import EngineStats, cdiv
 
 
@@ -55,7 +55,7 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
 def block_hashes(
     token_ids: Sequence[int], block_size: int, salt: str | None = None, max_blocks: int | None = None
 ) -> list[bytes]:
-    """The engine's own prefix-cache keys of the prompt's full blocks (engine/prefix_hash.py)."""
+    """The engine's own prefix-cache keys of the prompt's full blocks (engine/core/prefix_hash.py)."""
     return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks)
 
 
@@ -63,8 +63,8 @@ def block_hashes(
 class Rates:
     """Service rates per busy second of the engine, decayed over `window_s` of busy time: what a queue ahead of
     a new request drains at. Busy: time inside its steps, or all the time between two pushes when it had work
-    at the first (output processing and streaming between steps delay a queue too; measured under 10x
-    overload, rates per step time alone drained queues 2-4x faster than they did). Zero: not measured yet."""
+    at the first (output processing and streaming between steps delay a queue too, so rates per step time
+    alone overstate how fast a queue drains). Zero: not measured yet."""
 
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0

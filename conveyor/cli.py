@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from conveyor.engine.demo import add_make_model_args, run_make_model
+from conveyor.engine.checkpoints.demo import add_make_model_args, run_make_model
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -17,7 +17,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from conveyor.engine.model_source import resolve_model
+    from conveyor.engine.checkpoints.model_source import resolve_model
 
     print(resolve_model(args.model, args.revision))
     return 0

@@ -54,8 +54,9 @@ def check_fields(name: str, cls: type, kwargs: dict[str, Any], exclude: tuple[st
         raise ValueError(f"{name}.{unknown[0]}: unknown option (known: {', '.join(sorted(known))})")
     try:
         cls(**kwargs)
-    except (AssertionError, TypeError, ValueError) as e:
-        raise ValueError(f"{name}: {str(e) or 'invalid values'}") from None
+    except (TypeError, ValueError) as e:
+        field, _, rule = str(e).partition(": ")
+        raise ValueError(f"{name}.{field}: {rule}" if field in known else f"{name}: {e}") from None
 
 
 class AppArgs(BaseModel):
@@ -85,7 +86,6 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     stream_interval: int = Field(4, ge=1)
     engine_core_process: bool = True
-    user_code_thread: bool = False
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
     # a resource each replica-capable node declares as 1 (`ray start --resources`): at most one replica per node
@@ -177,12 +177,10 @@ class AppArgs(BaseModel):
         return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
     def serve_env(self) -> dict[str, str]:
-        """Ray Serve's per-process switches for the router and replica actors. Unless `user_code_thread`: our code
-        runs on the replica's own event loop instead of a thread of its own (one cross-thread hop less per request
-        and per streamed item) and access logs are buffered, two of the settings of Ray's
-        RAY_SERVE_THROUGHPUT_OPTIMIZED, which as a whole also switches the cluster's ingress and transport."""
-        if self.user_code_thread:
-            return {}
+        """Ray Serve's per-process switches for the router and replica actors: our code runs on the replica's own
+        event loop instead of a thread of its own (one cross-thread hop less per request and per streamed item) and
+        access logs are buffered, two of the settings of Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED, which as a whole
+        also switches the cluster's ingress and transport (docs/decisions/12-user-code-on-replica-loop.md)."""
         return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
 
     def replica_options(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.frontend.outputs import RequestOutput
 from conveyor.engine.stats import ITERATION_TOKENS_BUCKETS, EngineStats
 
 disable_created_metrics()

@@ -36,10 +36,10 @@ from conveyor.deployments.serve_logs import flush_at_warning
 from conveyor.deployments.token_channel import TokenInbox, follow
 from conveyor.deployments.tool_parsers import TOOL_PARSERS
 from conveyor.engine import SamplingParams
-from conveyor.engine.chat_template import render_chat
-from conveyor.engine.generation_defaults import SAMPLING_KEYS, load_generation_defaults
-from conveyor.engine.limits import RequestLimits
-from conveyor.engine.model_source import resolve_model
+from conveyor.engine.checkpoints.model_source import resolve_model
+from conveyor.engine.frontend.chat_template import render_chat
+from conveyor.engine.frontend.generation_defaults import SAMPLING_KEYS, load_generation_defaults
+from conveyor.engine.frontend.limits import RequestLimits
 from conveyor.engine.sampling_params import StructuredParams
 
 log = logging.getLogger("ray.serve")

@@ -37,7 +37,7 @@ class HermesToolParser:
 
     def forced_grammar(self, tools: list[Tool]) -> str:
         """EBNF for exactly one call to one of `tools`, in this parser's form."""
-        from conveyor.engine.structured_output import tagged_json_grammar
+        from conveyor.engine.core.structured_output import tagged_json_grammar
 
         return tagged_json_grammar(self.call_schema(tools), f"{self.begin}\n", f"\n{self.end}")
 

@@ -5,13 +5,13 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "AsyncEngine": "conveyor.engine.async_engine",
+    "AsyncEngine": "conveyor.engine.frontend.async_engine",
     "EngineConfig": "conveyor.engine.config",
-    "LLM": "conveyor.engine.llm",
-    "LLMEngine": "conveyor.engine.llm_engine",
-    "CompletionOutput": "conveyor.engine.outputs",
-    "RequestMetrics": "conveyor.engine.outputs",
-    "RequestOutput": "conveyor.engine.outputs",
+    "LLM": "conveyor.engine.frontend.llm",
+    "LLMEngine": "conveyor.engine.frontend.llm_engine",
+    "CompletionOutput": "conveyor.engine.frontend.outputs",
+    "RequestMetrics": "conveyor.engine.frontend.outputs",
+    "RequestOutput": "conveyor.engine.frontend.outputs",
     "SamplingParams": "conveyor.engine.sampling_params",
     "EngineStats": "conveyor.engine.stats",
 }

@@ -5,14 +5,15 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from conveyor.engine.core_priority import PRIORITIES
-from conveyor.engine.layers.rotary import check_rope
-from conveyor.engine.model_source import resolve_model
-from conveyor.engine.models.llama import ARCHITECTURES
-from conveyor.engine.parallel import check_shardable
+from conveyor.engine.checkpoints.model_source import resolve_model
+from conveyor.engine.model.llama import ARCHITECTURES
+from conveyor.engine.model.parallel import check_shardable
+from conveyor.engine.model.rotary import check_rope
 from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("conveyor")
+# the core process's CPU priority against its front end (engine/process/core_priority.py)
+PRIORITIES = ("auto", "high", "low")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,17 +60,19 @@ class EngineConfig:
     aging_rate: float = 1.0
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
-    prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/layers/linear.py)
-    keep_freed_memory: bool = True  # CPU: glibc keeps freed activations for reuse (engine/host_memory.py)
+    prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/model/linear.py)
+    keep_freed_memory: bool = True  # CPU: glibc keeps freed activations for reuse (engine/execution/host_memory.py)
     cpu_threads_bind: str = "off"  # "auto": pin torch's intra-op thread i to the i-th allowed core, as vLLM does
-    # the core process's CPU priority against its front end (engine_core_process=True only; engine/core_priority.py):
+    # the core process's CPU priority against its front end (engine_core_process=True only; engine/process/core_priority.py):
     # "high" (niceness 0), "low" (SCHED_IDLE), "auto": high while the node's cores leave a CPU to the rest
     core_process_priority: str = "auto"
-    # a new request's likely output length until 16 requests have finished (engine/output_lengths.py): on a cold
+    # a new request's likely output length until 16 requests have finished (engine/core/output_lengths.py): on a cold
     # replica, admission charges a request's output min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256
     seed: int = 0
-    model_runner_cls: str = "conveyor.engine.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
+    model_runner_cls: str = (
+        "conveyor.engine.execution.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
+    )
     check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     model_path: str = field(default="", repr=False)

@@ -68,7 +68,7 @@ class StructuredParams:
                 f"must be a non-empty string, got {value!r}",
             )
             self.text = value
-        from conveyor.engine.structured_output import check_constraint
+        from conveyor.engine.core.structured_output import check_constraint
 
         error = check_constraint(self.kind, self.text)
         _check(error is None, f"structured.{self.kind}", f"is not a valid constraint: {error}")

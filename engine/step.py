@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from conveyor.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from conveyor.engine.sampler import GrammarBitmask
+    from conveyor.engine.execution.sampler import GrammarBitmask
 
 
 @dataclass

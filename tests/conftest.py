@@ -5,11 +5,17 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+# conveyor first, before any test imports transformers: the checkout's root goes behind site-packages, so
+# transformers finds Hugging Face's `kernels` distribution, not the checkout's kernels/ folder
+import conveyor  # noqa: F401
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("CONVEYOR_CHECK_INVARIANTS", "1")  # engine/invariants.py after every step, Ray replicas included
+os.environ.setdefault(
+    "CONVEYOR_CHECK_INVARIANTS", "1"
+)  # engine/core/invariants.py after every step, Ray replicas included
 SHARED = "conveyor_app"
 
 
@@ -50,7 +56,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Names the ISA and the backends this run exercised, with tests/test_backend_matrix.py's outcomes per
+    """Names the ISA and the backends this run exercised, with tests/engine/test_backend_matrix.py's outcomes per
     backend (shown under -q too)."""
     counts: dict[str, dict[str, int]] = {}
     for outcome in ("passed", "failed", "skipped"):

@@ -2,7 +2,7 @@
 fault the engine must survive. Plugged in through EngineConfig.model_runner_cls (so it runs in the core
 process too)."""
 
-from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.execution.model_runner import ModelRunner
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 MARK = [777, 778, 779]

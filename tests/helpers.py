@@ -2,7 +2,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.model_source import resolve_model
+from conveyor.engine.checkpoints.model_source import resolve_model
 
 PROMPTS = [
     "def",
@@ -46,7 +46,7 @@ def engine_greedy(
 
 
 def assert_no_leak(llm: LLM) -> None:
-    kv = llm.engine.block_manager
+    kv = llm.engine.local_core.block_manager
     assert not llm.engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_count == 0 for b in kv.pool.blocks)

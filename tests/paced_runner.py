@@ -3,7 +3,7 @@ token count, whatever the machine's speed, so a drain-timeout test knows which r
 
 import time
 
-from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.execution.model_runner import ModelRunner
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 STEP_S = 0.02

@@ -5,11 +5,13 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -18,6 +20,7 @@ from ray import serve
 
 from conveyor.deployments.ingress import use_haproxy
 
+ROOT = Path(__file__).resolve().parents[1]
 TEMP_DIRS: list[str] = []
 ENGINE = dict(
     dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_blocks=96, max_model_len=512
@@ -58,9 +61,17 @@ def stop_ray() -> None:
         shutil.rmtree(TEMP_DIRS.pop(), ignore_errors=True)
 
 
-def wait_ready(url: str, timeout: float, ok: Callable[[], bool] = lambda: True, headers: dict | None = None) -> None:
+def wait_ready(
+    url: str,
+    timeout: float,
+    ok: Callable[[], bool] = lambda: True,
+    headers: dict | None = None,
+    proc: subprocess.Popen | None = None,
+) -> None:
+    """Until `url` answers /v1/models and `ok()` holds; fails at once if `proc` (a `serve run`) exits."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        assert proc is None or proc.poll() is None, "serve run exited early"
         try:
             if httpx.get(f"{url}/v1/models", timeout=5, headers=headers).status_code == 200 and ok():
                 return

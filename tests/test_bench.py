@@ -1,5 +1,5 @@
 """The step trace records exactly the steps the scheduler ran; `conveyor bench throughput | timeline` run
-end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/test_metrics.py,
+end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/serve/test_metrics.py,
 against the served app); the cluster bench waits for ports a previous run still holds."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from benchmarks.lengths import Lengths, token_prompts
 from conveyor.cli import main
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.step_trace import assign_slots, chrome_trace
+from conveyor.engine.core.step_trace import assign_slots, chrome_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -30,15 +30,15 @@ def test_timeline_has_exactly_the_steps_the_scheduler_ran(policy: str) -> None:
         enable_prefix_caching=False,
     )
     eng, ran = llm.engine, []
-    execute = eng.executor.execute_model
+    execute = eng.local_core.executor.execute_model
 
     def spy(so):  # an independent record of what the scheduler handed to the model
         ran.append([(c.req_id, len(c.token_ids)) for c in so.chunks])
         return execute(so)
 
-    eng.executor.execute_model = spy
-    steps_before = eng.scheduler.num_steps
-    eng.step_trace.enable()
+    eng.local_core.executor.execute_model = spy
+    steps_before = eng.local_core.scheduler.num_steps
+    eng.local_core.step_trace.enable()
     outputs = [3, 9, 5, 12]
     prompts = [list(range(10, 10 + n)) for n in (20, 30, 7, 12)]
     outs = llm.generate(
@@ -46,9 +46,9 @@ def test_timeline_has_exactly_the_steps_the_scheduler_ran(policy: str) -> None:
         [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True) for n in outputs],
         use_tqdm=False,
     )
-    trace = eng.step_trace.disable()
-    assert len(trace) == len(ran) == eng.scheduler.num_steps - steps_before
-    assert [r.step for r in trace] == list(range(steps_before + 1, eng.scheduler.num_steps + 1))
+    trace = eng.local_core.step_trace.disable()
+    assert len(trace) == len(ran) == eng.local_core.scheduler.num_steps - steps_before
+    assert [r.step for r in trace] == list(range(steps_before + 1, eng.local_core.scheduler.num_steps + 1))
     assert [[(w.req_id, w.num_tokens) for w in r.work] for r in trace] == ran
     rid = {o.request_id: o for o in outs}
     assert sum(r.tokens("prefill") for r in trace) == sum(map(len, prompts))  # one prefill step, no preemption
@@ -58,7 +58,10 @@ def test_timeline_has_exactly_the_steps_the_scheduler_ran(policy: str) -> None:
     assert padding == (sum(max(outputs) - n for n in outputs) if policy == "static" else 0)
     assert [len(rid[str(i)].outputs[0].token_ids) for i in range(4)] == outputs
     assert all(r.kv_blocks_used <= r.kv_blocks_total and r.duration_s > 0 for r in trace)
-    assert trace[-1].kv_blocks_used > 0 and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert (
+        trace[-1].kv_blocks_used > 0
+        and eng.local_core.block_manager.num_free_blocks == eng.local_core.block_manager.num_blocks
+    )
     slots = assign_slots(trace)
     assert set(slots.values()) <= set(range(4))
     for r_i, r in enumerate(trace):  # no two requests share a slot in a step

@@ -121,3 +121,36 @@ def test_the_engine_imports_no_serving_layer() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# The engine's layers, lowest first: a module imports (at module level) only modules of its own layer or below.
+ENGINE_LAYERS = {
+    "checkpoints": 0,
+    "stats": 0,
+    "sampling_params": 0,
+    "model": 1,
+    "config": 2,
+    "step": 2,
+    "execution": 3,
+    "core": 4,
+    "process": 5,
+    "frontend": 6,
+}
+
+
+def engine_layer(module: str) -> int:
+    return ENGINE_LAYERS[module.split(".")[2]]
+
+
+def test_the_engine_packages_are_layered() -> None:
+    """frontend > process > core > execution > model > checkpoints: the data flows one way (DESIGN.md)."""
+    graph = import_graph()
+    engine = [m for m in graph if m.startswith("conveyor.engine.")]
+    assert {m.split(".")[2] for m in engine} == set(ENGINE_LAYERS)
+    upward = [
+        f"{m} -> {d}"
+        for m in engine
+        for d in graph[m]
+        if d.startswith("conveyor.engine.") and engine_layer(d) > engine_layer(m)
+    ]
+    assert not upward, upward

@@ -1,0 +1,99 @@
+"""What crosses between the engine front end (tokenizer, detokeniser, stop strings, streams) and the engine
+core (scheduler, KV cache, grammars, executor): typed msgspec structs, encoded as msgpack (no pickle)."""
+
+from dataclasses import fields
+from typing import Any
+
+import msgspec
+
+from conveyor.engine.core.kv_events import KVEvents
+from conveyor.engine.sampling_params import SamplingParams, StructuredParams
+from conveyor.engine.stats import EngineStats
+
+_PARAMS = {f.name for f in fields(SamplingParams) if f.init}
+_STRUCTURED = {f.name for f in fields(StructuredParams) if f.init}
+
+
+def params_from_wire(d: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from its encoded fields (msgspec can't decode its structured union directly)."""
+    kw = {k: v for k, v in d.items() if k in _PARAMS}
+    if kw.get("structured") is not None:
+        kw["structured"] = {k: v for k, v in kw["structured"].items() if k in _STRUCTURED}
+    return SamplingParams(**kw)
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    """params: a SamplingParams in process; its encoded fields on the wire (params_from_wire)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    priority: int = 0
+    arrival_time: float | None = None
+    cache_salt: str | None = None
+
+
+class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
+    """Abort (reason "abort") or stop-string finishes found by the front end (reason "stop")."""
+
+    request_ids: list[str]
+    reason: str = "abort"
+    stop_reasons: list[str | None] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+CoreInput = AddRequest | FinishRequests | Shutdown
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's news from one step: only the tokens it has not reported yet. finish_reason "error":
+    the core failed the request (stop_reason says why: a refused add, a model step that raised)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
+    """One step: its outputs, the stats after it, and the KV cache's stored/evicted keys since the last one."""
+
+    outputs: list[CoreOutput]
+    stats: EngineStats
+    kv_events: KVEvents | None = None
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    num_blocks: int
+    num_swap_blocks: int
+    pid: int
+    stats: EngineStats
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    error: str
+
+
+CoreMessage = CoreOutputs | CoreReady | CoreFailed
+
+
+class Codec:
+    """One encoder and the two typed decoders; each side keeps its own instance (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.inputs = msgspec.msgpack.Decoder(CoreInput)
+        self.messages = msgspec.msgpack.Decoder(CoreMessage)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self.encoder.encode(msg)

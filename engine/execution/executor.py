@@ -1,0 +1,58 @@
+"""Runs a SchedulerOutput on the model. TP=1 runs in this process; TP>1 drives Ray workers."""
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from conveyor.engine.execution.model_runner import ModelRunner
+
+
+def runner_class(config: EngineConfig) -> type["ModelRunner"]:
+    """EngineConfig.model_runner_cls, imported in whichever process builds the runner (core, TP worker)."""
+    module, _, name = config.model_runner_cls.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def allocate_kv_cache(runner: "ModelRunner", num_blocks: int) -> int:
+    """Allocates the runner's KV cache (and its CPU swap space); returns the number of swap slots."""
+    runner.allocate_kv_cache(num_blocks)
+    cpu = runner.cpu_cache
+    return cpu.shape[2] if cpu.dim() > 2 else 0
+
+
+class Executor(Protocol):
+    num_blocks: int
+    num_swap_blocks: int
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = runner_class(config)(config)
+        self.num_blocks = self.runner.available_blocks()
+        self.num_swap_blocks = allocate_kv_cache(self.runner, self.num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(so)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.tensor_parallel_size == 1:
+        return LocalExecutor(config)
+    from conveyor.engine.execution.tp_executor import TPExecutor
+
+    return TPExecutor(config)

@@ -1,0 +1,330 @@
+"""Owns the model and its paged KV cache on one device; turns a SchedulerOutput into sampled tokens."""
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from itertools import chain, compress
+from operator import attrgetter, itemgetter
+
+import numpy as np
+import torch
+
+from conveyor.engine.checkpoints.loader import load_weights
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.execution.host_memory import keep_freed_memory
+from conveyor.engine.execution.persistent_batch import PersistentBatch
+from conveyor.engine.execution.sampler import SamplingBatch, add_constraints, sample
+from conveyor.engine.model.attention import AttentionMetadata
+from conveyor.engine.model.linear import pack_weights, padded_rows
+from conveyor.engine.model.llama import LlamaForCausalLM, head_dim_of
+from conveyor.engine.model.parallel import tp_rank
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.stats import cdiv
+from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from conveyor.kernels import attention_ops
+
+log = logging.getLogger("conveyor")
+
+
+@functools.cache
+def _process_cpus() -> list[int]:
+    """The cpus this process may use, as first seen: once threads are bound, the calling thread's own
+    affinity is one cpu, and a second engine in the process would pin every thread there."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def _is_prefill(c: ScheduledChunk) -> bool:
+    return len(c.token_ids) > 1
+
+
+_req_id, _token_ids, _start, _sample = (attrgetter(f) for f in ("req_id", "token_ids", "start", "sample"))
+
+
+@dataclass
+class RequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    stop_ids: list[int]
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
+        self.rank = tp_rank()
+        self.block_size = config.block_size
+        hf = config.hf_config
+        torch.manual_seed(config.seed)
+        ops = attention_ops(config.attention_backend)
+        if self.rank == 0:
+            isa = f" ({ops.fused.isa})" if ops.fused is not None else ""
+            log.info("attention backend: %s%s on %s", ops.name, isa, self.device)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        with self.device:
+            self.model = LlamaForCausalLM(hf, ops, config.max_model_len)
+        torch.set_default_dtype(default_dtype)
+        load_weights(self.model, config.model_path, hf.tie_word_embeddings)
+        if config.cpu_threads_bind == "auto" and ops.fused is not None:
+            allowed, n = _process_cpus(), torch.get_num_threads()
+            cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
+            log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
+        self.pad_steps = False  # steps with a prefill run at padded_rows(tokens): bounded oneDNN primitive shapes
+        if config.prepack_weights and self.device.type == "cpu":
+            with torch.inference_mode():
+                packed = pack_weights(self.model, ops.fused)  # timed per shape: after binding
+            self.pad_steps = packed > 0 and ops.fused is not None  # the C++ attention zeroes padding rows
+        self.attn_layers = self.model.attention_layers()
+        self.num_kv_heads = self.attn_layers[0].num_kv_heads
+        self.head_dim = head_dim_of(hf)
+        self.vocab_size = hf.vocab_size
+        self.requests: dict[str, RequestState] = {}
+        self.batch = PersistentBatch(cdiv(config.max_model_len, config.block_size), self.vocab_size)
+        self.special: set[str] = set()  # requests the sampler must treat one by one (penalties, seeds, ...)
+        self.biased: set[str] = set()  # requests with a logit_bias
+        self.kv_cache = torch.empty(0)
+        self.cpu_cache = torch.empty(0)
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def available_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.gpu_memory_utilization - (total - free) - self._profile_activation_bytes()
+        else:
+            budget = cfg.kv_cache_memory or 512 * 2**20
+        return max(int(budget // self.block_bytes), 0)
+
+    def _profile_activation_bytes(self) -> int:
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        blocks = cdiv(n, self.block_size)
+        self.allocate_kv_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        chunk = ScheduledChunk("profile", [0] * n, 0, list(range(blocks)), True, True)
+        self.execute_model(SchedulerOutput([NewRequestData("profile", [0] * n, SamplingParams(), [])], [chunk]))
+        self.requests.clear()
+        self.batch.remove("profile")
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        swap_blocks = self.config.swap_space // self.block_bytes if self.config.preemption_mode == "swap" else 0
+        if swap_blocks:
+            pin = self.device.type == "cuda"
+            self.cpu_cache = torch.zeros(
+                (*shape[:2], swap_blocks, *shape[3:]), dtype=self.config.torch_dtype, pin_memory=pin
+            )
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*pairs))
+        if to_cpu:
+            self.cpu_cache[:, :, dst] = self.kv_cache[:, :, src.to(self.device)].to("cpu")
+        else:
+            self.kv_cache[:, :, dst.to(self.device)] = self.cpu_cache[:, :, src].to(self.device)
+
+    def _add_request(self, r: NewRequestData) -> None:
+        gen = None
+        if r.params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(r.params.seed)
+        self.requests[r.req_id] = RequestState(r.prompt_token_ids, [], r.params, r.stop_ids_for_min_tokens, gen)
+        self.batch.add(r.req_id, r.params)
+        p = r.params
+        if p.has_penalties or gen is not None or p.logprobs is not None or (p.min_tokens and r.stop_ids_for_min_tokens):
+            self.special.add(r.req_id)
+        if p.logit_bias:
+            self.biased.add(r.req_id)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            self.batch.remove(rid)
+            self.special.discard(rid)
+            self.biased.discard(rid)
+        for r in so.new_requests:
+            self._add_request(r)
+        self.swap_blocks(so.swap_out, to_cpu=True)
+        self.swap_blocks(so.swap_in, to_cpu=False)
+        if not so.chunks:
+            return ModelRunnerOutput([], [], []) if self.rank == 0 else None
+        chunks = sorted(so.chunks, key=_is_prefill)
+        for c in chunks:
+            if c.new_block_ids or c.reset_blocks:
+                self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
+        input_ids, positions, meta, sample_idx, rows, sampled = self._prepare(chunks)
+        batch = None
+        if self.rank == 0:
+            batch = self._sampling_batch(sampled, rows)
+            if self.biased or so.grammar is not None:
+                batch = add_constraints(
+                    batch, [self.requests[r].params for r in sampled], sampled, so.grammar, self.device
+                )
+        tokens, logprobs = self._run(input_ids, positions, meta, sample_idx, batch)
+        if self.rank != 0:
+            return None
+        tokens = tokens.tolist()
+        if self.special:
+            for rid, tok in zip(sampled, tokens):
+                if rid in self.special:
+                    self.requests[rid].output_token_ids.append(tok)
+        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_idx: torch.Tensor,
+        batch: SamplingBatch | None,
+    ) -> tuple[torch.Tensor, list | None]:
+        if meta.sampled is not None:
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta, keep=sample_idx))
+        else:
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta)[sample_idx])
+        return sample(logits, batch) if batch is not None else (torch.empty(0), None)
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, np.ndarray, list[str]]:
+        """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled chunks."""
+        bs, n = self.block_size, len(chunks)
+        req_ids = list(map(_req_id, chunks))
+        token_ids = list(map(_token_ids, chunks))
+        q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
+        starts = np.fromiter(map(_start, chunks), dtype=np.int64, count=n)
+        sample = np.fromiter(map(_sample, chunks), dtype=bool, count=n)
+        seq_lens = starts + q_lens
+        rows = self.batch.index(req_ids)
+        block_tables = self.batch.block_tables(rows)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        nd = int((q_lens == 1).sum())  # one-token chunks (decodes) come first
+        if nd == n:  # decode-only step: one query row per sequence, no prefill metadata to build
+            positions = starts
+            input_ids = np.fromiter(map(itemgetter(0), token_ids), dtype=np.int64, count=n)
+            slots = block_tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
+        else:
+            seq_of_token = np.repeat(np.arange(n), q_lens)
+            positions = np.arange(cu[-1]) - cu[:-1][seq_of_token] + starts[seq_of_token]
+            slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            input_ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
+            if self.pad_steps and (pad := padded_rows(int(cu[-1])) - int(cu[-1])):
+                # rows no chunk owns: token 0 at position 0, K/V not stored (slot -1), never sampled
+                input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
+                slots = np.pad(slots, (0, pad), constant_values=-1)
+        sample_idx = cu[1:][sample] - 1
+        sampled = req_ids if sample.all() else list(compress(req_ids, sample))
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        pre_cu = cu[nd:] - cu[nd]
+        seq_lens32 = seq_lens.astype(np.int32)
+        meta = AttentionMetadata(
+            slot_mapping=t(slots),
+            num_decodes=nd,
+            decode_block_tables=t(block_tables[:nd]),
+            decode_seq_lens=t(seq_lens32[:nd]),
+            decode_max_seq_len=int(seq_lens[:nd].max()) if nd else 0,
+            prefill_block_tables=t(block_tables[nd:]),
+            prefill_seq_lens=t(seq_lens32[nd:]),
+            prefill_query_start_loc=t(pre_cu.astype(np.int32)),
+            prefill_max_query_len=int(q_lens[nd:].max()) if nd < n else 0,
+            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < n else 0,
+            block_tables=t(block_tables),
+            seq_lens=t(seq_lens32),
+            query_start_loc=t(cu.astype(np.int32)),
+        )
+        if len(sample_idx) < cu[-1]:
+            meta.sampled = self._sampled_meta(meta.slot_mapping, block_tables[sample], seq_lens32[sample])
+        return t(input_ids), t(positions), meta, t(sample_idx), rows[sample], sampled
+
+    def _sampled_meta(
+        self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray
+    ) -> AttentionMetadata:
+        """The last layer's view: this step's slots, one query per sampled sequence at its last position."""
+        n, dev = len(seq_lens), self.device
+        tables, lens = torch.from_numpy(block_tables).to(dev), torch.from_numpy(seq_lens).to(dev)
+        none = torch.zeros(0, dtype=torch.int32, device=dev)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=n,
+            decode_block_tables=tables,
+            decode_seq_lens=lens,
+            decode_max_seq_len=int(seq_lens.max()) if n else 0,
+            prefill_block_tables=tables[:0],
+            prefill_seq_lens=none,
+            prefill_query_start_loc=none,
+            prefill_max_query_len=0,
+            prefill_max_seq_len=0,
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        )
+
+    def _sampling_batch(self, req_ids: list[str], rows: np.ndarray) -> SamplingBatch:
+        dev, n, b = self.device, len(req_ids), self.batch
+
+        def col(values: np.ndarray, off: float) -> torch.Tensor | None:
+            return torch.from_numpy(values).to(dev) if (values != off).any() else None
+
+        temperature, top_k = b.temperature[rows], b.top_k[rows]
+        special = [(i, self.requests[r]) for i, r in enumerate(req_ids) if r in self.special] if self.special else []
+        penalties = [(i, s) for i, s in special if s.params.has_penalties]
+        pen: dict[str, torch.Tensor | None] = dict.fromkeys(
+            ("output_counts", "prompt_mask", "repetition_penalty", "frequency_penalty", "presence_penalty")
+        )
+        if penalties:
+            pen["output_counts"] = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=dev)
+            pen["prompt_mask"] = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
+            for i, s in penalties:
+                if s.output_token_ids:
+                    pen["output_counts"][i].index_add_(
+                        0, torch.tensor(s.output_token_ids, device=dev), torch.ones(len(s.output_token_ids), device=dev)
+                    )
+                pen["prompt_mask"][i, torch.tensor(s.prompt_token_ids, device=dev)] = True
+            for name, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+                values = torch.full((n,), neutral, dtype=torch.float32, device=dev)
+                for i, s in penalties:
+                    values[i] = getattr(s.params, name)
+                pen[name] = values
+            if bool((pen["repetition_penalty"] == 1.0).all()):
+                pen["repetition_penalty"] = None
+        banned = [(i, tok) for i, s in special if len(s.output_token_ids) < s.params.min_tokens for tok in s.stop_ids]
+        banned_rows, banned_tokens = (torch.tensor(x, device=dev) for x in zip(*banned)) if banned else (None, None)
+        num_logprobs: list[int | None] = [None] * n
+        for i, s in special:
+            num_logprobs[i] = s.params.logprobs
+        return SamplingBatch(
+            temperature=torch.from_numpy(temperature).to(dev),
+            all_greedy=bool((temperature < 1e-5).all()),
+            top_k=col(top_k, self.vocab_size),
+            top_p=col(b.top_p[rows], 1.0),
+            min_p=col(b.min_p[rows], 0.0),
+            generators={i: s.generator for i, s in special if s.generator is not None},
+            banned_rows=banned_rows,
+            banned_tokens=banned_tokens,
+            num_logprobs=num_logprobs,
+            **pen,
+        )
