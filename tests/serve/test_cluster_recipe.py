@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 from conveyor.deployments.app import AppArgs, build_app
 from conveyor.deployments.node_placement import HEAD_PIN
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RAYSERVICE = ROOT / "deployments" / "kuberay" / "rayservice.yaml"
 CLUSTER_CONFIG = ROOT / "deployments" / "cluster_serve_config.yaml"
 
