@@ -168,10 +168,12 @@ def test_one_replica_per_node_and_routing_across_nodes(mn: SimpleNamespace) -> N
     assert all(o.ok for o in outcomes), [(o.status, o.error) for o in outcomes if not o.ok]
     by_replica = {o.replica for o in outcomes}
     assert by_replica == {r["replica_id"] for r in snap["replicas"]}, by_replica
-    # KV-aware routing across nodes: each prefix's follow-ups go where the prefix is cached
+    # KV-aware routing across nodes: each prefix's follow-ups go where the prefix is cached (idle replicas, and a
+    # prefix long enough that its prefill outweighs the replicas' differences in measured rates)
+    pools_whole(mn, 3)
     with httpx.Client(base_url=mn.url, timeout=60) as client:
         for p in range(3):
-            prefix = [rng.randrange(4, 8000) for _ in range(64)]
+            prefix = [rng.randrange(4, 8000) for _ in range(256)]
             first = complete(client, prefix + [5]).headers["x-conveyor-replica"]
             follow = [complete(client, prefix + [6 + i]).headers["x-conveyor-replica"] for i in range(3)]
             assert follow == [first] * 3, (p, first, follow)
