@@ -10,6 +10,7 @@ RESUME_BOUND_S. Node death is detected by the GCS health check, set here to 1 s 
 is 3 s x 5); the measured times print with MULTINODE, run with -s to see them."""
 
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -98,6 +99,7 @@ def mn() -> Iterator[SimpleNamespace]:
         ray.shutdown()
         cluster.shutdown()
         ray_constants.ENABLE_RAY_CLUSTER = keep
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def snapshot(mn: SimpleNamespace) -> dict[str, Any]:
