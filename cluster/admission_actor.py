@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision
 from conveyor.cluster.leases import Leases
+from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
@@ -33,16 +34,21 @@ class AdmissionActor:
         self.routers: dict[str, float] = {}
         self.leases = Leases(self.controller.config.lease_s)
         self.metric_dumps: dict[str, list[dict[str, Any]]] = {}
+        self.node = node_of_this_process()
+        self.nodes: dict[str, dict[str, str]] = {}  # replica id -> {"node_id", "node_ip"}, as the replica reported
 
     def report(self, stats: dict[str, Any]) -> dict[str, Any]:
         """A replica's push: its stats, under "kv_events" its KVEvents dict, under "metrics" its metric families.
-        The answer asks for a full listing of its KV keys when the index has none for it (first contact, or this
+        Under "node" its Ray node ({"node_id", "node_ip"}). The answer asks for a full listing of its KV keys when the index has none for it (first contact, or this
         actor restarted)."""
         if "metrics" in stats:
             self.metric_dumps[str(stats["replica_id"])] = stats.pop("metrics")
+        if "node" in stats:
+            self.nodes[str(stats["replica_id"])] = stats.pop("node")
         now = self.clock()
         reset = self.controller.update(ReplicaStats.from_dict(stats), now, stats.get("kv_events"))
-        self.controller.expire(now)
+        for rid in self.controller.expire(now):
+            self.nodes.pop(rid, None)
         return {"kv_reset": reset}
 
     def sync(
@@ -75,6 +81,7 @@ class AdmissionActor:
 
     def forget(self, replica_id: str) -> None:
         self.controller.forget(replica_id)
+        self.nodes.pop(replica_id, None)
         if replica_id in self.metric_dumps:  # a departed source keeps its counters, so sums never go back
             self.metric_dumps[replica_id] = [f for f in self.metric_dumps[replica_id] if f["type"] != "gauge"]
 
@@ -87,8 +94,13 @@ class AdmissionActor:
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
-        self.controller.expire(now)
-        return self.controller.snapshot(now)
+        for rid in self.controller.expire(now):
+            self.nodes.pop(rid, None)
+        snap = self.controller.snapshot(now)
+        for row in snap["replicas"]:
+            row.update(self.nodes.get(row["replica_id"], {}))
+        snap["admission_node"] = self.node
+        return snap
 
     def configure(self, config: dict[str, Any]) -> None:
         self.controller.config = replace(self.controller.config, **config)

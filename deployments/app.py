@@ -15,6 +15,7 @@ from conveyor.cluster.admission_actor import AdmissionActor
 from conveyor.cluster.autoscaling import KVScalingConfig
 from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.http_guard import GuardConfig
+from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
 from conveyor.deployments.replica import ADMISSION_ACTOR, LLMReplica
 from conveyor.deployments.router import Router
 from conveyor.deployments.tool_parsers import TOOL_PARSERS
@@ -86,6 +87,12 @@ class AppArgs(BaseModel):
     engine_core_process: bool = True
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
+    # a resource each replica-capable node declares as 1 (`ray start --resources`): at most one replica per node
+    replica_node_resource: str | None = Field(None, min_length=1)
+    # where the admission actor runs; by default on the head node (deployments/node_placement.py)
+    admission_resources: dict[str, float] = dict(HEAD_PIN)
+    # where the routers run; None: on the head node when router_replicas is 1, else spread by Serve
+    router_resources: dict[str, float] | None = None
     api_key: str | None = Field(None, min_length=1, repr=False)
     protect_health_metrics: bool = False
     max_body_bytes: int = Field(8 * 2**20, ge=1024)
@@ -184,7 +191,7 @@ class AppArgs(BaseModel):
                 "num_gpus": head.get("GPU", 0),
                 "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **self.serve_env()}},
             },
-            placement_group_bundles=[head] + ([worker] * tp if tp > 1 else []),
+            placement_group_bundles=replica_bundles(head, worker, tp, self.replica_node_resource),
             placement_group_strategy="STRICT_PACK",
             max_ongoing_requests=self.max_ongoing_requests,
         )
@@ -205,7 +212,7 @@ class AppArgs(BaseModel):
                 DeploymentActorConfig(
                     name=ADMISSION_ACTOR,
                     actor_class=ray.remote(AdmissionActor),
-                    actor_options={"num_cpus": 0},
+                    actor_options={"num_cpus": 0, "resources": dict(self.admission_resources)},
                     init_kwargs={"config": self.admission_config()},
                 )
             ]
@@ -229,9 +236,16 @@ def build_app(args: AppArgs) -> Application:
         engine_core_process=args.engine_core_process,
         heartbeat_s=heartbeat,
     )
+    router_resources = args.router_resources
+    if router_resources is None:
+        router_resources = dict(HEAD_PIN) if args.router_replicas == 1 else {}
     router = Router.options(
         num_replicas=args.router_replicas,
-        ray_actor_options={"num_cpus": args.router_num_cpus, "runtime_env": {"env_vars": args.serve_env()}},
+        ray_actor_options={
+            "num_cpus": args.router_num_cpus,
+            "resources": router_resources,
+            "runtime_env": {"env_vars": args.serve_env()},
+        },
     )
     return router.bind(
         LLMReplica.options(**args.replica_options()).bind(**replica_args),

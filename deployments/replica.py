@@ -9,6 +9,7 @@ import ray
 import torch
 from ray import serve
 
+from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.stats import ReplicaStats, push_due
 from conveyor.deployments.metrics import ReplicaMetrics, wall
@@ -51,6 +52,7 @@ class LLMReplica:
         except Exception:
             self.replica_id = "local"
         self.metrics = ReplicaMetrics(self.engine.model_name, self.replica_id)
+        self.node = node_of_this_process()
         self.stats_push_s, self.heartbeat_s, self._actor = stats_push_s, heartbeat_s, None
         self.outbox = TokenOutbox()
         self._pusher = asyncio.create_task(self._push_loop()) if stats_push_s > 0 else None
@@ -73,7 +75,7 @@ class LLMReplica:
                 continue
             events = self.engine.drain_kv_events(MAX_KV_EVENTS)
             try:
-                report = {**current.to_dict(), "kv_events": events.to_dict()}
+                report = {**current.to_dict(), "kv_events": events.to_dict(), "node": self.node}
                 if now - metrics_at >= METRICS_PUSH_S or (current.idle and current.num_finished != metrics_finished):
                     report["metrics"] = self.metrics.dump(self.engine.stats())
                     metrics_at, metrics_finished = now, current.num_finished
@@ -93,6 +95,7 @@ class LLMReplica:
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "replica": self.replica_id,
+            **self.node,
             "limits": asdict(self.engine.limits),
             "torch_threads": torch.get_num_threads(),
             "engine_core_pid": getattr(self.engine.engine.core, "core_pid", None),

@@ -8,12 +8,14 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerFast
 
 from conveyor.cluster.admission import prometheus_text
 from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
 from conveyor.deployments.drain import Drain
@@ -53,6 +55,14 @@ async def one(call: Any) -> AsyncIterator[Chunk]:
 
 def cause(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
+
+
+def replica_lost(e: BaseException) -> bool:
+    """The replica's actor died or cannot be reached (its process or node is gone): the request may be retried."""
+    return isinstance(e, (RayActorError, ActorUnavailableError))
+
+
+LOST = "the replica serving this request was lost (its process or node failed); retry"
 
 
 def param_of(message: str) -> str | None:
@@ -297,6 +307,8 @@ class Router:
                 raise APIError(str(e), param=param_of(str(e))) from None
             if isinstance(e, (BackPressureError, DeploymentUnavailableError)):
                 raise APIError(f"overloaded: {e}", status=503, type="service_unavailable") from None
+            if replica_lost(e):
+                raise APIError(LOST, status=503, type="service_unavailable", code="replica_lost") from None
             raise APIError(f"engine error: {e}", status=500, type="internal_error") from None
         ttft, replica = time.perf_counter() - start, first.get("replica", "")
         egress = time.time() - first.get("emitted_at", time.time())
@@ -334,7 +346,8 @@ class Router:
             except APIError as e:
                 yield sse_error(str(e), e.type, e.status)
             except Exception as e:
-                yield sse_error(f"engine error: {cause(e)}")
+                lost = replica_lost(cause(e))
+                yield sse_error(LOST, "service_unavailable", 503) if lost else sse_error(f"engine error: {cause(e)}")
             finally:
                 await stream.aclose()
                 self.metrics.request_done(endpoint, time.perf_counter() - start)
@@ -435,7 +448,7 @@ class Router:
             snapshot = self.gate.snapshot
             if snapshot is None:
                 raise APIError(f"admission actor unavailable: {e!r}", status=503, type="service_unavailable") from None
-        return JSONResponse(snapshot)
+        return JSONResponse({**snapshot, "router_node": node_of_this_process()})
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
