@@ -1,9 +1,11 @@
-"""A burst of concurrent completions (streams and whole) in a background thread, each request's outcome recorded:
+"""Load for the serving tests. A burst of concurrent completions (streams and whole) in a background thread, each request's outcome recorded:
 when it started and ended, its status, Retry-After, the replica that answered, and whether the answer was
-complete. For the fault tests, which change the cluster while the burst is in flight."""
+complete (for the fault tests, which change the cluster while the burst is in flight); and a steady load of
+clients sending long completions back to back (for the autoscaling tests)."""
 
 import asyncio
 import json
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -100,3 +102,53 @@ class Burst:
         self.thread.join(timeout_s)
         assert not self.thread.is_alive(), f"the burst did not end within {timeout_s}s"
         return self.outcomes
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 8000) for _ in range(n)]
+
+
+class Load:
+    """`n` clients in a thread, each sending long greedy completions back to back; a 429/503 waits Retry-After.
+    `codes` and `replicas` (the x-conveyor-replica of each 200) grow as answers come. An exception in the thread
+    fails the test at `__exit__`."""
+
+    def __init__(self, url: str, n: int, prompt_len: int, max_tokens: int) -> None:
+        self.url, self.n, self.prompt_len, self.max_tokens = url, n, prompt_len, max_tokens
+        self.stop, self.codes, self.replicas = threading.Event(), [], []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.main, daemon=True)
+
+    def main(self) -> None:
+        try:
+            asyncio.run(self.run())
+        except BaseException as e:
+            self.error = e
+
+    async def client(self, http: httpx.AsyncClient, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            r = await http.post(
+                "/v1/completions",
+                json={"prompt": tokens(rng, self.prompt_len), "ignore_eos": True, "max_tokens": self.max_tokens},
+            )
+            self.codes.append(r.status_code)
+            if r.status_code == 200:
+                self.replicas.append(r.headers["x-conveyor-replica"])
+            if r.status_code in (429, 503):  # a refusal must say when to come back (KeyError fails the test)
+                await asyncio.sleep(float(r.headers["retry-after"]))
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=120) as http:
+            await asyncio.gather(*(self.client(http, i) for i in range(self.n)))
+
+    def __enter__(self) -> "Load":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "a load client hung"
+        if self.error is not None:
+            raise AssertionError(f"a load client failed: {self.error!r}") from self.error

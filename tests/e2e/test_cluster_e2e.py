@@ -5,7 +5,6 @@ deploys its own apps and deletes them."""
 
 import asyncio
 import random
-import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ import pytest
 import ray
 from ray import serve
 
+from tests.load import Load, tokens
 from tests.serve_app import free_port, start_ray, stop_ray
 
 pytestmark = pytest.mark.slow
@@ -45,10 +45,6 @@ def run_apps(**apps: dict[str, Any]) -> None:
             for name, args in apps.items()
         ]
     )
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 8000) for _ in range(n)]
 
 
 def eventually(check: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> float:
@@ -144,49 +140,6 @@ def test_burst_gets_429_or_waits_in_queue_and_every_admitted_request_completes(c
         eventually(idle, 10, "the block pool is whole again after the queued burst")
     finally:
         serve.delete("burst")
-
-
-class Load:
-    """`n` clients in a thread, each sending long greedy completions back to back; a 429/503 waits Retry-After.
-    An exception in the thread fails the test at `__exit__`."""
-
-    def __init__(self, url: str, n: int, prompt_len: int, max_tokens: int) -> None:
-        self.url, self.n, self.prompt_len, self.max_tokens = url, n, prompt_len, max_tokens
-        self.stop, self.codes = threading.Event(), []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self.main, daemon=True)
-
-    def main(self) -> None:
-        try:
-            asyncio.run(self.run())
-        except BaseException as e:
-            self.error = e
-
-    async def client(self, http: httpx.AsyncClient, seed: int) -> None:
-        rng = random.Random(seed)
-        while not self.stop.is_set():
-            r = await http.post(
-                "/v1/completions",
-                json={"prompt": tokens(rng, self.prompt_len), "ignore_eos": True, "max_tokens": self.max_tokens},
-            )
-            self.codes.append(r.status_code)
-            if r.status_code in (429, 503):  # a refusal must say when to come back (KeyError fails the test)
-                await asyncio.sleep(float(r.headers["retry-after"]))
-
-    async def run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=120) as http:
-            await asyncio.gather(*(self.client(http, i) for i in range(self.n)))
-
-    def __enter__(self) -> "Load":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=120)
-        assert not self.thread.is_alive(), "a load client hung"
-        if self.error is not None:
-            raise AssertionError(f"a load client failed: {self.error!r}") from self.error
 
 
 def test_load_client_errors_fail_the_test() -> None:

@@ -9,6 +9,7 @@ explicit 503/429 with Retry-After, or a stream's 503 error event); serving resum
 RESUME_BOUND_S. Node death is detected by the GCS health check, set here to 1 s x 5 failures (Ray's default
 is 3 s x 5); the measured times print with MULTINODE, run with -s to see them."""
 
+import os
 import random
 import shutil
 import tempfile
@@ -76,6 +77,7 @@ def mn() -> Iterator[SimpleNamespace]:
     keep = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     tmp = tempfile.mkdtemp(prefix="ray-mn-", dir="/tmp")
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the current cluster's address there
     use_haproxy(False, tmp)
     node = dict(node_ip_address="127.0.0.1", object_store_memory=80 * 2**20, temp_dir=tmp)
     cluster = Cluster(
