@@ -203,9 +203,7 @@ def test_kv_demand_adds_a_node_for_a_replica_and_removes_it_when_idle(scaled: Si
     assert load.codes.count(200) >= 1 and set(load.codes) <= {200, 429, 503}, load.codes
     calm = time.time()
     stopped = eventually(lambda: replica_states().get("RUNNING") == 1, 120, "scale back to one replica")
-    eventually(
-        lambda: [r["node_id"] for r in rows(scaled.url)] == [scaled.head], 30, "only the head's replica reports"
-    )
+    eventually(lambda: [r["node_id"] for r in rows(scaled.url)] == [scaled.head], 30, "only the head's replica reports")
     removed = eventually(lambda: len(alive_nodes()) == 1, 120, "the autoscaler removes the idle node")
     report(
         "up",
