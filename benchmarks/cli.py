@@ -1,4 +1,4 @@
-"""`conveyor bench serve | throughput | timeline` (imported only when `conveyor bench` runs)."""
+"""`conveyor bench serve | throughput | timeline | cluster` (imported only when `conveyor bench` runs)."""
 
 import argparse
 
@@ -8,9 +8,14 @@ from conveyor.cli import run
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="conveyor bench", description="Conveyor benchmarks")
     sub = parser.add_subparsers(dest="bench", required=True)
-    from benchmarks import serve_bench, throughput_bench, timeline
+    from benchmarks import multinode, serve_bench, throughput_bench, timeline
 
-    for name, module in (("serve", serve_bench), ("throughput", throughput_bench), ("timeline", timeline)):
+    for name, module in (
+        ("serve", serve_bench),
+        ("throughput", throughput_bench),
+        ("timeline", timeline),
+        ("cluster", multinode),
+    ):
         p = sub.add_parser(
             name,
             help=module.__doc__.splitlines()[0].split(": ", 1)[-1],

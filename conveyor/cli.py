@@ -1,7 +1,9 @@
-"""`conveyor` command line: make-model, fetch, generate, bench (serve, throughput, timeline)."""
+"""`conveyor` command line: make-model, fetch, generate, bench (serve, throughput, timeline, cluster)."""
 
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
 
 from conveyor.engine.checkpoints.demo import add_make_model_args, run_make_model
 
@@ -24,6 +26,18 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    """The benchmarks live in the repository beside the package (not in the wheel): a checkout runs them. Only
+    the `benchmarks` package is loaded from there; the repository root stays off sys.path (its folders would
+    shadow installed packages of the same names, such as Hugging Face's `kernels`)."""
+    init = Path(__file__).resolve().parents[1] / "benchmarks" / "__init__.py"
+    if "benchmarks" not in sys.modules:
+        if not init.is_file():
+            print("conveyor bench: the benchmarks come with a checkout of the repository, not with the wheel")
+            return 2
+        spec = importlib.util.spec_from_file_location("benchmarks", init, submodule_search_locations=[str(init.parent)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = module
+        spec.loader.exec_module(module)
     from benchmarks.cli import main as bench_main
 
     return bench_main(argv)
