@@ -1,6 +1,6 @@
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -242,4 +242,7 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def engine_options(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        if self.speculative is not None:
+            options["speculative"] = asdict(self.speculative)  # plain JSON for the core process
+        return options
