@@ -119,9 +119,10 @@ def test_smollm2_greedy_matches_transformers_and_plain_decoding() -> None:
     under a small token budget put drafting chunks beside prefill chunks and plain decodes in one step."""
     model, prompts = "demo:smollm2", chat_prompts()
     plain, _ = engine_greedy(model, prompts, 32, max_num_batched_tokens=64)
-    # the engine's float32 (with or without drafts) and transformers' part at a near-tie in the code prompt's
-    # 24th token: transformers is the oracle for the other two
-    assert hf_greedy(model, prompts[::2], 32) == plain[::2]
+    # transformers' generate(min_new_tokens) bans <|im_end|>: its tokens are the oracle up to the engine's first one
+    for want, got in zip(hf_greedy(model, prompts, 32), plain):
+        end = got.index(2) if 2 in got else len(got)
+        assert got[:end] == want[:end]
     llm = LLM(model, dtype="float32", speculative=NGRAM, check_invariants=True, max_num_batched_tokens=64)
     core = llm.engine.local_core
     core.step_trace.enable()
