@@ -243,7 +243,7 @@ class ModelRunner:
         return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
     def _prepare(
-        self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]]
+        self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, np.ndarray, list[str]]:
         """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled rows: one per
         sampled chunk, k + 1 (all its tokens) for a chunk carrying k drafts."""
