@@ -7,10 +7,8 @@ each emitted token is distributed as non-speculative sampling would have it.
 Point-mass drafts (q_i = one-hot(d_i): n-gram lookup, a greedy draft model) make this a comparison: sample
 t_i ~ p_i with the sampler, accept while t_i == d_i. Then P(accept) = p_i(d_i), and a rejected position emits
 t_i ~ p_i conditioned on t_i != d_i, which is the normalised residual. Greedy rows sample the argmax, so greedy
-speculation emits exactly the non-speculative tokens. `residual_sample` is the general step for drafts with a
-distribution q, for proposers that have one."""
-
-import torch
+speculation emits exactly the non-speculative tokens. Drafts with a distribution q (a sampling draft model,
+EAGLE) would need the general acceptance test and residual sampling, which are not implemented."""
 
 
 def verify(sampled: list[int], drafts: list[int]) -> tuple[list[int], int]:
@@ -20,17 +18,3 @@ def verify(sampled: list[int], drafts: list[int]) -> tuple[list[int], int]:
     while n < len(drafts) and sampled[n] == drafts[n]:
         n += 1
     return drafts[:n], sampled[n]
-
-
-def residual_sample(
-    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One position of k rows: target probs p [r, V], draft probs q [r, V], drafts [r]. Returns (accepted [r] bool,
-    the token to emit where rejected [r])."""
-    rows = torch.arange(len(draft), device=p.device)
-    ratio = p[rows, draft] / q[rows, draft].clamp_min(1e-20)
-    u = torch.rand(len(draft), device=p.device, generator=generator)
-    residual = (p - q).clamp_min(0)
-    empty = residual.sum(-1, keepdim=True) <= 0
-    residual = torch.where(empty, p, residual)
-    return u < ratio.clamp(max=1.0), torch.multinomial(residual, 1, generator=generator).squeeze(-1)

@@ -3,8 +3,8 @@
 
 Point-mass proposers (n-gram lookup, a greedy draft model) need nothing else: the runner accepts a draft
 token when the token it samples from the target distribution equals it (engine/execution/rejection_sampler.py).
-A sampling draft model, EAGLE or MTP heads would also hand over their draft distributions q (the runner's
-rejection sampler takes them) and need the target's hidden states of the last step, which the runner does
+A sampling draft model, EAGLE or MTP heads would also hand over their draft distributions q, for which the
+runner's rejection sampler lacks the general acceptance test, and need the target's hidden states of the last step, which the runner does
 not return yet."""
 
 from typing import Protocol
