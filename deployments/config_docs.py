@@ -190,7 +190,7 @@ def sections() -> tuple[Section, ...]:
     from conveyor.cluster.routing import RouterConfig
     from conveyor.deployments.app import AppArgs, KVAutoscaling
     from conveyor.deployments.http_guard import GuardConfig
-    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.config import EngineConfig, SpeculativeConfig
 
     return (
         Section(
@@ -211,6 +211,12 @@ def sections() -> tuple[Section, ...]:
             "`model_path` (the first two come from `args.model` and `args.revision`, the last two "
             "are filled in by the engine). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. "
             "A bad value raises ValueError naming the field.",
+        ),
+        Section(
+            SpeculativeConfig,
+            "`args.engine.speculative` (`null`: off): speculative decoding (docs/speculative_decoding.md). "
+            "Requests with penalties, a seed, min_tokens, logprobs, logit_bias or structured outputs decode "
+            "without drafts.",
         ),
         Section(
             AdmissionConfig,

@@ -123,7 +123,22 @@ class ReplicaMetrics:
             "prefix_cache_hits": Counter(
                 p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", L, registry=r
             ),
+            "spec_decode_num_drafts": Counter(
+                p + "spec_decode_num_drafts", "Speculative decoding: request-steps that carried drafts", L, registry=r
+            ),
+            "spec_decode_num_draft_tokens": Counter(
+                p + "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified", L, registry=r
+            ),
+            "spec_decode_num_accepted_tokens": Counter(
+                p + "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted", L, registry=r
+            ),
         }
+        self.accepted_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position",
+            L + ("position",),
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "Prompt tokens of requests the engine started", L, registry=r
         ).labels(**self.labels)
@@ -187,6 +202,11 @@ class ReplicaMetrics:
             counter.labels(**self.labels).inc(value - last if value >= last else value)
             self._last[key] = value
         self.iteration.update(s.iteration_tokens_counts, s.iteration_tokens_sum)
+        for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            key = f"spec_pos_{pos}"
+            last = self._last.get(key, 0)
+            self.accepted_per_pos.labels(**self.labels, position=str(pos)).inc(value - last if value >= last else value)
+            self._last[key] = value
 
     def dump(self, stats: EngineStats | None = None) -> Dump:
         if stats is not None:

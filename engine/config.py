@@ -1,6 +1,6 @@
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -31,6 +31,40 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
 
 def _fail(name: str, message: str) -> None:
     raise ValueError(f"EngineConfig.{name} {message}")
+
+
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (engine/core/spec_decode): a proposer guesses up to num_speculative_tokens next tokens
+    of a decoding request, the target model checks them all in one step."""
+
+    method: str = "ngram"  # "ngram": prompt lookup (the request's own tokens); "draft": not implemented
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # shortest suffix n-gram matched against the request's earlier tokens
+    prompt_lookup_max: int = 4  # longest suffix n-gram tried first
+    # a request's speculation pauses (for 1, 2, 4, ... 64 steps) while its recent share of accepted draft tokens is
+    # below this; the cost of a draft token rises with the batch, so the bar scales with the step's decodes
+    min_acceptance_rate: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            _fail("speculative.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method == "draft":
+            _fail(
+                "speculative.method",
+                "'draft' (a draft model) is not implemented; use 'ngram' (prompt lookup, no extra model)",
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(f"speculative.{name}", f"must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            _fail("speculative.prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0 <= self.min_acceptance_rate < 1:
+            _fail("speculative.min_acceptance_rate", f"must be in [0, 1), got {self.min_acceptance_rate!r}")
 
 
 @dataclass
@@ -70,6 +104,9 @@ class EngineConfig:
     # replica, admission charges a request's output min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256
     seed: int = 0
+    # speculative decoding: a SpeculativeConfig or a dict of its fields ({method: ngram, num_speculative_tokens: 4});
+    # None: off
+    speculative: SpeculativeConfig | dict | None = None
     model_runner_cls: str = (
         "conveyor.engine.execution.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     )
@@ -116,6 +153,7 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
+        self._check_speculative()
         if not isinstance(self.model_runner_cls, str) or self.model_runner_cls.count(":") != 1:
             _fail("model_runner_cls", f"must be 'module:Class', got {self.model_runner_cls!r}")
         if self.device == "auto":
@@ -125,6 +163,24 @@ class EngineConfig:
             self._load_model_config()
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else self._cpu_backend()
+
+    def _check_speculative(self) -> None:
+        if isinstance(self.speculative, dict):
+            known = {f.name for f in fields(SpeculativeConfig)}
+            unknown = sorted(set(self.speculative) - known)
+            if unknown:
+                _fail(f"speculative.{unknown[0]}", f"is not a speculative option (known: {', '.join(sorted(known))})")
+            self.speculative = SpeculativeConfig(**self.speculative)
+        if self.speculative is None:
+            return
+        if not isinstance(self.speculative, SpeculativeConfig):
+            _fail(
+                "speculative", f"must be a SpeculativeConfig, a dict of its fields, or None, got {self.speculative!r}"
+            )
+        if self.scheduling_policy != "continuous":
+            _fail("speculative", "needs scheduling_policy 'continuous'")
+        if self.tensor_parallel_size != 1:
+            _fail("speculative", "is not implemented with tensor_parallel_size > 1")
 
     def _cpu_backend(self) -> str:
         from conveyor.kernels import cpu_ops
@@ -186,4 +242,7 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def engine_options(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        if self.speculative is not None:
+            options["speculative"] = asdict(self.speculative)  # plain JSON for the core process
+        return options

@@ -41,6 +41,11 @@ class EngineStats:
     num_growth_blocks: int = 0  # blocks running and waiting requests still take at their likely output lengths
     likely_output_tokens: int = 0  # a new request's likely output length (0: not known)
     iteration_tokens_sum: int = 0
+    # speculative decoding (vLLM's names): speculating request-steps, their draft tokens, the accepted ones
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     timestamp: float = field(default_factory=time.time)
 
@@ -79,6 +84,12 @@ class EngineStats:
         """demand_blocks() over the cache (may pass 1): with admission charging outputs, replicas are held near the
         high watermark of demand while their used blocks stay lower, so autoscaling reads this."""
         return self.demand_blocks() / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens per speculating request-step: 1 + accepted / drafts (0 with no drafts)."""
+        d = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / d if d else 0.0
 
     def to_dict(self) -> dict:
         """The wire format: the fields, plus the derived load for readers of the dict."""

@@ -36,6 +36,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     grammar: "GrammarBitmask | None" = None
+    # speculative decoding: a request's draft tokens, which its chunk carries after its last token
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @cached_property
     def num_tokens(self) -> int:
@@ -48,3 +50,5 @@ class ModelRunnerOutput:
     req_ids: list[str]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    # speculative decoding: a drafting request's accepted draft tokens, which come before its entry in token_ids
+    accepted: dict[str, list[int]] = field(default_factory=dict)

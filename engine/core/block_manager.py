@@ -153,9 +153,22 @@ class BlockManager:
         whose chunk was dropped before running."""
         rid = seq.request_id
         hashes = self._hashes(seq)
-        for i in range(self.num_registered.get(rid, 0), min(num_full, len(hashes))):
+        num_full = min(num_full, len(hashes))  # a speculative chunk's draft tokens are not the request's yet
+        for i in range(self.num_registered.get(rid, 0), num_full):
             self.pool.register(table[i], hashes[i])
         self.num_registered[rid] = max(self.num_registered.get(rid, 0), num_full)
+
+    def roll_back(self, seq: Sequence) -> None:
+        """After a speculative step: blocks past the computed tokens (rejected drafts' slots) go back to the
+        pool; full blocks of accepted tokens are published. The stale K/V in the kept slots past
+        num_computed_tokens is overwritten by the next chunk before any attention reads it."""
+        table = self.tables[seq.request_id]
+        keep = self.blocks_for(seq.num_computed_tokens)
+        if len(table) > keep:
+            self.pool.release(table[keep:])
+            del table[keep:]
+        if self.caching:
+            self._register(seq, table, seq.num_computed_tokens // self.block_size)
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
         """Keys stored/evicted since the last drain (thread-safe); the first drain lists every cached key."""

@@ -129,12 +129,13 @@ class EngineCore:
             ro = self.executor.execute_model(so)
         except Exception as e:
             return failed + self._fail_step(so, e)
-        self.step_trace.record(so, self.scheduler, self.block_manager, start)
+        self.step_trace.record(so, self.scheduler, self.block_manager, start, ro)
         now = time.monotonic()
         changed = self.scheduler.update(so, ro, now)
         self.busy_time_s += time.perf_counter() - start
-        self.num_decode_tokens += len(ro.token_ids)
-        self.num_prefill_tokens += so.num_tokens - len(ro.token_ids)
+        sampled = len(ro.token_ids) + sum(map(len, so.draft_token_ids.values()))
+        self.num_decode_tokens += len(ro.token_ids) + sum(map(len, ro.accepted.values()))
+        self.num_prefill_tokens += so.num_tokens - sampled
         if so.grammar is not None:
             for rid in self._structured.accept(ro.req_ids, ro.token_ids):
                 seq = self.scheduler.requests.get(rid)
@@ -219,7 +220,20 @@ class EngineCore:
             tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],
             num_growth_blocks=growth,
             likely_output_tokens=self.output_lengths.typical(),
+            **self._spec_counters(),
         )
+
+    def _spec_counters(self) -> dict:
+        spec = self.scheduler.spec
+        if spec is None:
+            return {}
+        c = spec.counters
+        return {
+            "spec_decode_num_drafts": c.num_drafts,
+            "spec_decode_num_draft_tokens": c.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(c.accepted_per_pos),
+        }
 
     def tokens_left(self, seq: Sequence) -> int:
         """Output tokens the request likely still produces: up to its max_tokens, bounded by how long recent

@@ -10,6 +10,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.invariants import check_invariants
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.core.spec_decode import SpecController
 from conveyor.engine.core.watermark import Watermark
 from conveyor.engine.execution.persistent_batch import PersistentBatch
 from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
@@ -33,6 +34,7 @@ class Scheduler:
         self.runner_batch: PersistentBatch | None = None  # the model runner's, in process: checked with the tables
         self.now = 0.0
         self.prefill_left = 0
+        self.spec = SpecController(config.speculative) if config.speculative is not None else None
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -111,6 +113,9 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             left = len(seq.token_ids) - computed
+            if left == 1 and budget > 1 and self.spec is not None and self._speculate(seq, out, chunks, budget):
+                budget -= len(chunks[seq.request_id].token_ids)
+                continue
             if left == 1 and budget > 0 and (ids := kv.allocate_decode(seq)) is not None:
                 chunks[seq.request_id] = ScheduledChunk(seq.request_id, seq.token_ids[-1:], computed, ids, False, True)
                 seq.num_computed_tokens = computed + 1
@@ -124,7 +129,8 @@ class Scheduler:
                 if (dropped := chunks.pop(victim.request_id, None)) is not None:
                     victim.num_computed_tokens -= len(dropped.token_ids)
                     budget += len(dropped.token_ids)
-                    self.prefill_left += len(dropped.token_ids) if len(dropped.token_ids) > 1 else 0
+                    drafted = out.draft_token_ids.pop(victim.request_id, None) is not None
+                    self.prefill_left += len(dropped.token_ids) if len(dropped.token_ids) > 1 and not drafted else 0
                     partials -= len(dropped.token_ids) < victim.num_tokens - dropped.start
                 self._preempt(victim, out)
                 preempted = True
@@ -138,6 +144,26 @@ class Scheduler:
             if left > 1:
                 self.prefill_left -= n
         return budget, partials, preempted
+
+    def _speculate(self, seq: Sequence, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int) -> bool:
+        """A decoding request's chunk with draft tokens after its last token, if it has drafts and their blocks
+        fit without preempting anyone. Drafts never pass max_model_len or the request's max_tokens."""
+        room = min(
+            budget - 1,
+            self.config.max_model_len - seq.num_tokens,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+        )
+        drafts = self.spec.propose(seq, self.num_steps, room, len(self.running))
+        if not drafts:
+            return False
+        start = seq.num_computed_tokens
+        ids = self.kv.allocate(seq, 1 + len(drafts))
+        if ids is None:
+            return False
+        chunks[seq.request_id] = ScheduledChunk(seq.request_id, [seq.token_ids[-1], *drafts], start, ids, False, True)
+        seq.num_computed_tokens = start + 1 + len(drafts)
+        out.draft_token_ids[seq.request_id] = drafts
+        return True
 
     def _admit(
         self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int, partials: int
@@ -238,23 +264,47 @@ class Scheduler:
 
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
         """Append sampled tokens, finish sequences that stop; returns the sequences that changed."""
+        if so.draft_token_ids:
+            self._verified(so, ro)
         changed = self._accept(ro, now)
+        for rid in so.draft_token_ids:
+            seq = self.requests.get(rid)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                self.kv.roll_back(seq)
         if self.config.check_invariants:
             check_invariants(self, self.runner_batch)
         return changed
 
+    def _verified(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
+        """Rejected drafts stop counting as computed (their blocks go back in update, after the tokens)."""
+        for rid, drafts in so.draft_token_ids.items():
+            seq = self.requests.get(rid)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            accepted = len(ro.accepted.get(rid, ()))
+            seq.num_computed_tokens -= len(drafts) - accepted
+            self.spec.observe(rid, len(drafts), accepted)
+
     def _accept(self, ro: ModelRunnerOutput, now: float) -> list[Sequence]:
         changed = []
-        requests, running = self.requests, SequenceStatus.RUNNING
+        requests, running, accepted = self.requests, SequenceStatus.RUNNING, ro.accepted
         for rid, token in zip(ro.req_ids, ro.token_ids):
             seq = requests.get(rid)
             if seq is None or seq.status is not running:
                 continue
-            seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._check_stop(seq, token)
             changed.append(seq)
+            if accepted and rid in accepted:
+                for t in accepted[rid]:
+                    seq.token_ids.append(t)
+                    self._check_stop(seq, t)
+                    if seq.status is not running:
+                        break
+                if seq.status is not running:
+                    continue
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
         return changed
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -280,6 +330,8 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.kv.forget(seq)
+        if self.spec is not None:
+            self.spec.forget(seq.request_id)
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         seq.finish_time = time.monotonic()
         self.requests.pop(seq.request_id, None)

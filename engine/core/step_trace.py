@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from conveyor.engine.stats import ITERATION_TOKENS_BUCKETS
-from conveyor.engine.step import SchedulerOutput
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 KINDS = ("prefill", "decode", "padding")
 
@@ -44,6 +44,8 @@ class StepRecord:
     kv_blocks_total: int
     num_preemptions: int
     num_waiting: int
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified in the step (inside its decode tokens)
+    num_accepted_tokens: int = 0
 
     def tokens(self, kind: str | None = None) -> int:
         return sum(w.num_tokens for w in self.work if kind is None or w.kind == kind)
@@ -66,7 +68,9 @@ class StepTrace:
         self.enabled = False
         return self.records
 
-    def record(self, so: SchedulerOutput, scheduler: _Scheduler, kv: _KV, start: float) -> None:
+    def record(
+        self, so: SchedulerOutput, scheduler: _Scheduler, kv: _KV, start: float, ro: ModelRunnerOutput | None = None
+    ) -> None:
         """Called once per engine step after the model ran; `start` is perf_counter() before schedule()."""
         n = so.num_tokens
         self.num_steps += 1
@@ -80,6 +84,8 @@ class StepTrace:
             seq = scheduler.requests.get(c.req_id)
             if seq is not None and scheduler.pads(seq):
                 kind = "padding"
+            elif c.req_id in so.draft_token_ids:
+                kind = "decode"
             elif len(c.token_ids) > 1 or seq is None or c.start < seq.num_prompt_tokens:
                 kind = "prefill"
             else:
@@ -96,6 +102,8 @@ class StepTrace:
                 kv.num_blocks,
                 preempted,
                 len(scheduler.waiting),
+                sum(map(len, so.draft_token_ids.values())),
+                sum(map(len, ro.accepted.values())) if ro is not None else 0,
             )
         )
 
@@ -148,7 +156,12 @@ def chrome_trace(records: list[StepRecord], name: str = "conveyor engine", pid: 
                 "ts": ts,
                 "dur": dur,
                 "args": {kind: r.tokens(kind) for kind in KINDS}
-                | {"preemptions": r.num_preemptions, "waiting": r.num_waiting},
+                | {"preemptions": r.num_preemptions, "waiting": r.num_waiting}
+                | (
+                    {"draft_tokens": r.num_draft_tokens, "accepted_tokens": r.num_accepted_tokens}
+                    if r.num_draft_tokens
+                    else {}
+                ),
             }
         )
         for w in r.work:

@@ -14,6 +14,7 @@ from conveyor.engine.checkpoints.loader import load_weights
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.host_memory import keep_freed_memory
 from conveyor.engine.execution.persistent_batch import PersistentBatch
+from conveyor.engine.execution.rejection_sampler import verify
 from conveyor.engine.execution.sampler import SamplingBatch, add_constraints, sample
 from conveyor.engine.model.attention import AttentionMetadata
 from conveyor.engine.model.linear import pack_weights, padded_rows
@@ -48,6 +49,11 @@ class RequestState:
     params: SamplingParams
     stop_ids: list[int]
     generator: torch.Generator | None
+
+
+def cu_of(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums: where each group starts."""
+    return np.cumsum(counts) - counts
 
 
 class ModelRunner:
@@ -171,7 +177,7 @@ class ModelRunner:
         for c in chunks:
             if c.new_block_ids or c.reset_blocks:
                 self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
-        input_ids, positions, meta, sample_idx, rows, sampled = self._prepare(chunks)
+        input_ids, positions, meta, sample_idx, rows, sampled = self._prepare(chunks, so.draft_token_ids)
         batch = None
         if self.rank == 0:
             batch = self._sampling_batch(sampled, rows)
@@ -183,11 +189,44 @@ class ModelRunner:
         if self.rank != 0:
             return None
         tokens = tokens.tolist()
+        accepted = {}
+        if so.draft_token_ids:
+            sampled, tokens, logprobs, accepted = self._verify(chunks, so.draft_token_ids, sampled, tokens, logprobs)
         if self.special:
             for rid, tok in zip(sampled, tokens):
                 if rid in self.special:
                     self.requests[rid].output_token_ids.append(tok)
-        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
+        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens), accepted)
+
+    def _verify(
+        self,
+        chunks: list[ScheduledChunk],
+        drafts: dict[str, list[int]],
+        rows: list[str],
+        tokens: list[int],
+        logprobs: list | None,
+    ) -> tuple[list[str], list[int], list | None, dict[str, list[int]]]:
+        """Folds each drafting request's k + 1 sampled rows into its accepted drafts and next token; its block
+        table row shrinks to the blocks of its computed tokens, as the scheduler's does (BlockManager.roll_back)."""
+        starts = {c.req_id: c.start for c in chunks if c.req_id in drafts}
+        out_ids, out_tokens, out_lp, accepted = [], [], [], {}
+        i = 0
+        while i < len(rows):
+            rid = rows[i]
+            d = drafts.get(rid)
+            if d is None:
+                out_ids.append(rid)
+                out_tokens.append(tokens[i])
+                out_lp.append(logprobs[i] if logprobs else None)
+                i += 1
+                continue
+            accepted[rid], token = verify(tokens[i : i + len(d) + 1], d)
+            out_ids.append(rid)
+            out_tokens.append(token)
+            out_lp.append(None)
+            self.batch.num_blocks[self.batch.rows[rid]] = cdiv(starts[rid] + 1 + len(accepted[rid]), self.block_size)
+            i += len(d) + 1
+        return out_ids, out_tokens, out_lp if logprobs else None, accepted
 
     def _run(
         self,
@@ -204,9 +243,10 @@ class ModelRunner:
         return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
     def _prepare(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, np.ndarray, list[str]]:
-        """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled chunks."""
+        """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled rows: one per
+        sampled chunk, k + 1 (all its tokens) for a chunk carrying k drafts."""
         bs, n = self.block_size, len(chunks)
         req_ids = list(map(_req_id, chunks))
         token_ids = list(map(_token_ids, chunks))
@@ -234,6 +274,14 @@ class ModelRunner:
                 slots = np.pad(slots, (0, pad), constant_values=-1)
         sample_idx = cu[1:][sample] - 1
         sampled = req_ids if sample.all() else list(compress(req_ids, sample))
+        sample_rows = rows[sample]
+        if drafts:
+            per_chunk = np.where([r in drafts for r in req_ids], q_lens, sample)
+            owner = np.repeat(np.arange(n), per_chunk)
+            sample_idx = (
+                cu[1:][owner] - per_chunk[owner] + np.arange(len(owner)) - np.repeat(cu_of(per_chunk), per_chunk)
+            )
+            sampled, sample_rows = [req_ids[i] for i in owner], rows[owner]
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:
@@ -256,9 +304,9 @@ class ModelRunner:
             seq_lens=t(seq_lens32),
             query_start_loc=t(cu.astype(np.int32)),
         )
-        if len(sample_idx) < cu[-1]:
+        if len(sample_idx) < cu[-1] and not drafts:
             meta.sampled = self._sampled_meta(meta.slot_mapping, block_tables[sample], seq_lens32[sample])
-        return t(input_ids), t(positions), meta, t(sample_idx), rows[sample], sampled
+        return t(input_ids), t(positions), meta, t(sample_idx), sample_rows, sampled
 
     def _sampled_meta(
         self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray

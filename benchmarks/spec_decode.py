@@ -1,0 +1,85 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, measured in the same run on the same
+prompts: output tok/s on a repetition-heavy workload (rewrite a passage / edit code with one change) at
+concurrency 1 and 8, and on the seed workload (random-token prompts, 32 at once); acceptance length.
+`python -m benchmarks.spec_decode` (SmolLM2, float32, greedy)."""
+
+import argparse
+import time
+
+from transformers import AutoTokenizer
+
+from benchmarks.serving import workload
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.checkpoints.model_source import resolve_model
+
+PASSAGES = [
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+    "agreed to increase funding for the library and to reduce spending on travel.",
+    "Our store opens at nine in the morning and closes at six in the evening. On weekends we open an hour later, "
+    "and on public holidays the store stays closed all day.",
+    "The river rises in the northern hills, flows south through three small towns and a wide valley of farms, "
+    "and reaches the sea after about two hundred kilometres.",
+    "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+    "    return 2 * (width + height)\n\n\ndef describe(width, height):\n"
+    "    return f'{width} by {height}: area {area(width, height)}'\n",
+]
+EDITS = [
+    "Rewrite this passage, replacing 'Tuesday' with 'Friday' and changing nothing else:\n\n{}",
+    "Rewrite this passage, replacing 'nine' with 'eight' and changing nothing else:\n\n{}",
+    "Rewrite this passage, replacing 'south' with 'east' and changing nothing else:\n\n{}",
+    "Rename the function `area` to `rectangle_area` everywhere in this code and change nothing else:\n\n{}",
+]
+
+
+def repetition_prompts(model: str, n: int) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(resolve_model(model))
+    out = []
+    for i in range(n):
+        text = EDITS[i % len(EDITS)].format(PASSAGES[i % len(PASSAGES)])
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list[list[int]]]:
+    """Output tok/s with at most `concurrency` requests in the engine (batches of that many, back to back)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        batch = [{"prompt_token_ids": p} for p in prompts[i : i + concurrency]]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    return sum(map(len, outputs)) / (time.perf_counter() - start), outputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="demo:smollm2")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--seed-max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    opts = dict(dtype="float32", max_num_seqs=32, enable_prefix_caching=False)
+    plain = LLM(args.model, **opts)
+    spec = LLM(args.model, speculative={"method": "ngram", "num_speculative_tokens": args.k}, **opts)
+    rep = repetition_prompts(args.model, 8)
+    cases = [
+        ("repetition, concurrency 1", rep[:2], args.max_tokens, 1),
+        ("repetition, concurrency 8", rep, args.max_tokens, 8),
+        ("seed workload, 32 sequences", workload(32, 32, 256, seed=0), args.seed_max_tokens, 32),
+    ]
+    run(plain, rep[:1], 8, 1), run(spec, rep[:1], 8, 1)  # warm-up
+    print(f"{args.model} float32, n-gram k={args.k}, greedy")
+    print(f"{'workload':30} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accept len':>10} {'same':>5}")
+    for name, prompts, max_tokens, conc in cases:
+        s0 = spec.engine.stats()
+        base, want = run(plain, prompts, max_tokens, conc)
+        fast, got = run(spec, prompts, max_tokens, conc)
+        s1 = spec.engine.stats()
+        drafts = s1.spec_decode_num_drafts - s0.spec_decode_num_drafts
+        acc = s1.spec_decode_num_accepted_tokens - s0.spec_decode_num_accepted_tokens
+        length = f"{1 + acc / drafts:.2f}" if drafts else "-"
+        print(f"{name:30} {base:12.1f} {fast:11.1f} {fast / base:6.2f} {length:>10} {str(got == want):>5}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

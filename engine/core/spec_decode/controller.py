@@ -1,0 +1,97 @@
+"""Which decoding requests speculate this step, with how many drafts, and what came of it.
+
+Back-off: each request keeps a moving average of the share of its draft tokens the target accepted. While it
+is below the bar the request decodes plainly for 2, 4, ... 64 steps, then probes again. A draft token costs
+a row of compute that every request of the step waits on, while an accepted one saves a whole step of its
+request: with few decodes in a step the step's fixed cost (reading the weights) dominates and almost any
+acceptance pays; with many, the bar rises to `min_acceptance_rate` (EngineConfig.speculative)."""
+
+import sys
+from dataclasses import dataclass, field
+
+from conveyor.engine.config import SpeculativeConfig
+from conveyor.engine.core.sequence import Sequence
+from conveyor.engine.core.spec_decode.ngram import NgramProposer
+from conveyor.engine.core.spec_decode.proposer import Proposer
+
+_MAX_PAUSE = 64
+_EMA = 0.5  # weight of the latest step in a request's acceptance average
+
+
+@dataclass
+class _Track:
+    rate: float = 1.0  # moving average of accepted / drafted tokens
+    paused_until: int = 0  # scheduler step before which the request does not speculate
+    pause: int = 1
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative, with vLLM's metric names (spec_decode_num_*): drafts are speculating request-steps."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating request-step emits: 1 + accepted drafts per draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecController:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.tracks: dict[str, _Track] = {}
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Requests whose sampling depends on their earlier output token by token (penalties, a seed, min_tokens,
+        a grammar, logit bias) or that ask for logprobs decode without speculation: their outputs are the
+        non-speculative ones."""
+        p = seq.params
+        return not (
+            p.has_penalties
+            or p.seed is not None
+            or p.logprobs is not None
+            or p.min_tokens
+            or p.structured is not None
+            or p.logit_bias
+        )
+
+    def bar(self, num_decodes: int) -> float:
+        """Acceptance a request needs to speculate in a step with `num_decodes` decoding requests."""
+        return self.config.min_acceptance_rate * min(1.0, (num_decodes - 1) / 7)
+
+    def propose(self, seq: Sequence, step: int, max_tokens: int, num_decodes: int) -> list[int]:
+        """Up to min(k, max_tokens) drafts for a decoding request, or none while it is backed off."""
+        track = self.tracks.get(seq.request_id)
+        if track is None:
+            track = self.tracks[seq.request_id] = _Track(paused_until=0 if self.eligible(seq) else sys.maxsize)
+        if step < track.paused_until or max_tokens < 1:
+            return []
+        if track.rate < self.bar(num_decodes):
+            track.paused_until, track.pause = step + track.pause, min(2 * track.pause, _MAX_PAUSE)
+            track.rate = self.bar(num_decodes)  # the probe after the pause starts at the bar
+            return []
+        return self.proposer.propose(seq, min(self.k, max_tokens))
+
+    def observe(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+        c, track = self.counters, self.tracks.get(req_id)
+        c.num_drafts += 1
+        c.num_draft_tokens += num_draft
+        c.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            c.accepted_per_pos[i] += 1
+        if track is not None:
+            track.rate = (1 - _EMA) * track.rate + _EMA * num_accepted / num_draft
+            if num_accepted:
+                track.pause = 1
+
+    def forget(self, req_id: str) -> None:
+        self.tracks.pop(req_id, None)
+        self.proposer.forget(req_id)

@@ -1,0 +1,20 @@
+"""Verification of draft tokens. A drafting request's chunk is [last token, d_1 .. d_k]; its k + 1 logits rows
+give the target distributions p_1 .. p_{k+1} of the tokens after each prefix. Speculative sampling (Leviathan
+et al. 2023) accepts d_i with probability min(1, p_i(d_i) / q_i(d_i)), stops at the first rejection and emits a
+token from the residual max(0, p_i - q_i) (normalised) there, or a bonus token from p_{k+1} when all k pass:
+each emitted token is distributed as non-speculative sampling would have it.
+
+Point-mass drafts (q_i = one-hot(d_i): n-gram lookup, a greedy draft model) make this a comparison: sample
+t_i ~ p_i with the sampler, accept while t_i == d_i. Then P(accept) = p_i(d_i), and a rejected position emits
+t_i ~ p_i conditioned on t_i != d_i, which is the normalised residual. Greedy rows sample the argmax, so greedy
+speculation emits exactly the non-speculative tokens. Drafts with a distribution q (a sampling draft model,
+EAGLE) would need the general acceptance test and residual sampling, which are not implemented."""
+
+
+def verify(sampled: list[int], drafts: list[int]) -> tuple[list[int], int]:
+    """`sampled`: the tokens the sampler drew from the k + 1 rows of one point-mass-drafting request. Returns the
+    accepted drafts and the token emitted after them."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return drafts[:n], sampled[n]
