@@ -71,7 +71,9 @@ class EngineCore:
         rid = req.request_id
         if rid in self.scheduler.requests or rid in self.compiling:
             raise ValueError(f"request_id {rid!r} is already running")
-        seq = Sequence(rid, list(req.prompt_token_ids), req.params, priority=req.priority, cache_salt=req.cache_salt)
+        seq = Sequence(
+            rid, list(req.prompt_token_ids), req.params, priority=req.priority, cache_salt=req.cache_salt, lora=req.lora
+        )
         if req.arrival_time is not None:
             seq.arrival_time = req.arrival_time
         if req.params.structured is not None:
@@ -219,6 +221,8 @@ class EngineCore:
             tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],
             num_growth_blocks=growth,
             likely_output_tokens=self.output_lengths.typical(),
+            lora_adapters=s.lora_slots.names() if s.lora_slots is not None else [],
+            num_lora_loads=s.lora_slots.num_loads if s.lora_slots is not None else 0,
         )
 
     def tokens_left(self, seq: Sequence) -> int:

@@ -9,6 +9,7 @@ from operator import attrgetter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.invariants import check_invariants
+from conveyor.engine.core.lora_slots import LoRASlots
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.watermark import Watermark
 from conveyor.engine.execution.persistent_batch import PersistentBatch
@@ -33,6 +34,7 @@ class Scheduler:
         self.runner_batch: PersistentBatch | None = None  # the model runner's, in process: checked with the tables
         self.now = 0.0
         self.prefill_left = 0
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -72,6 +74,8 @@ class Scheduler:
         self.running.sort(key=_run_order)
         self._schedule_step(list(self.running), out, chunks)
         out.chunks = list(chunks.values())
+        if self.lora_slots is not None:
+            self.lora_slots.assign(out, self.requests, self.running)
         return out
 
     def _schedule_step(
@@ -152,6 +156,9 @@ class Scheduler:
             if not candidates:
                 break
             seq = min(candidates, key=self._wait_key)
+            if self.lora_slots is not None and not self.lora_slots.admits(seq, self.running):
+                capped.add(seq)
+                continue
             swapped = seq.status is SequenceStatus.SWAPPED
             prefix = [] if swapped else self.kv.cached_prefix(seq)
             cached = seq.num_computed_tokens if swapped else len(prefix) * self.kv.block_size
