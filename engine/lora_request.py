@@ -23,4 +23,9 @@ class LoRARequest:
     @property
     def cache_key(self) -> str:
         """What seeds the prefix-cache keys of its requests: two adapters never share KV blocks."""
-        return f"{self.name}\x00{self.path}"
+        return lora_cache_key(self.name, self.path)
+
+
+def lora_cache_key(name: str, path: str) -> str:
+    """LoRARequest.cache_key from the adapter's name and path (the HTTP router has no engine ids)."""
+    return f"{name}\x00{path}"

@@ -87,6 +87,7 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat template;
         `tools` (OpenAI function specs) go to the template, which must support them."""
@@ -95,7 +96,7 @@ class LLM:
         for conv in conversations:
             text = render_chat(self.tokenizer, conv, tools, add_generation_prompt)
             prompts.append({"prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * num_prompts

@@ -141,3 +141,33 @@ def test_bad_adapters_are_refused_by_field(tmp_path: Path) -> None:
     off = LLM(model, dtype="float32")
     with pytest.raises(ValueError, match="max_loras is 0"):
         off.generate("hi", lora_request=LoRARequest("big", 1, str(big)), use_tqdm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["demo:llama-tiny", "demo:qwen2-tiny"])
+def test_tp2_shards_adapters_like_the_base_layers(tmp_path: Path, model: str) -> None:
+    """Column-parallel projections split B by output rows, row-parallel ones A by input columns (their partial
+    sums meet in the base layer's all-reduce): TP=2 gives TP=1's greedy tokens, which match peft above."""
+    import ray
+
+    loras = make_adapters(model, tmp_path)
+    ids = prompt_ids(model)
+    want, _, _ = mixed_run(model, loras, ids, max_loras=3)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        llm = LLM(model, dtype="float32", max_lora_rank=16, max_loras=3, tensor_parallel_size=2)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        which = [None, *loras]
+        requests = [(p, w) for p in ids for w in which]
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p, _ in requests],
+            params,
+            use_tqdm=False,
+            lora_request=[w for _, w in requests],
+        )
+        got = [o.outputs[0].token_ids for o in outs]
+        assert [got[i :: len(which)] for i in range(len(which))] == want
+        assert_no_leak(llm)
+        llm.engine.shutdown()
+    finally:
+        ray.shutdown()
