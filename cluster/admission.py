@@ -47,6 +47,7 @@ class AdmissionConfig:
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
+    lora_affinity: bool = True  # replicas holding the request's LoRA adapter rank first (False: adapter-blind)
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
     placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
@@ -354,7 +355,7 @@ class AdmissionController:
             if not fits:
                 return Decision(False, [], retry_after_s(best, limit, retry), "queue_time", queue_time_s=best)
         fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
-        if lora is not None:
+        if lora is not None and self.config.lora_affinity:
             resident = {rid for rid in fits if lora in self.replicas[rid].stats.lora_adapters}
             load = {rid: self.replicas[rid].stats.num_running + self.replicas[rid].stats.num_waiting for rid in fits}
             fits = prefer_resident(fits, resident, {rid: n + self.reserved(rid)[1] for rid, n in load.items()})

@@ -92,6 +92,7 @@ def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None
 @dataclass(frozen=True)
 class RouterConfig:
     affinity_weight: float = 1.0
+    lora_affinity: bool = True  # replicas holding the request's LoRA adapter first (False: adapter-blind)
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
     high_watermark: float = HIGH_WATERMARK
@@ -219,7 +220,9 @@ class KVAwareRequestRouter(RequestRouter):
         self.saturated.update({s.replica_id: s.saturated for s in scored})
         order = choose(scored, self.config, hint.replicas if hint else ())
         lora = getattr(hint, "lora", None)
-        if lora is not None and not any(rid in by_id for rid in hint.replicas):  # admission's order already is
+        if (
+            lora is not None and self.config.lora_affinity and not any(rid in by_id for rid in hint.replicas)
+        ):  # admission's order already is
             order = prefer_resident(order, self.resident(lora, replicas), {s.replica_id: s.load for s in scored})
         return [by_id[rid] for rid in order]
 

@@ -163,7 +163,7 @@ class AppArgs(BaseModel):
         weights = {
             k: v
             for k, v in (self.request_router or {}).items()
-            if k in ("affinity_weight", "headroom_weight", "queue_weight")
+            if k in ("affinity_weight", "headroom_weight", "queue_weight", "lora_affinity")
         }
         return {**weights, **(self.admission or {}), "block_size": self.block_size}
 
