@@ -23,7 +23,7 @@ from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.queue_time import queue_time_s, retry_after_s
 from conveyor.cluster.reservations import Reservation, ReservationBook, SettleRule
 from conveyor.cluster.rules import check_rules
-from conveyor.cluster.score import replica_score
+from conveyor.cluster.score import prefer_resident, replica_score
 from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
 from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
 from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
@@ -47,6 +47,7 @@ class AdmissionConfig:
     queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
     rate_window_s: float = 4.0
     affinity_weight: float = 1.0
+    lora_affinity: bool = True  # replicas holding the request's LoRA adapter rank first (False: adapter-blind)
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
     placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
@@ -306,8 +307,10 @@ class AdmissionController:
         keys: Sequence[bytes] = (),
         output_tokens: int = 0,
         num_seqs: int = 1,
+        lora: str | None = None,
     ) -> Decision:
-        """`num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
+        """`lora`: the LoRA adapter it runs with (replicas reporting it resident rank first, score.prefer_resident).
+        `num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
         keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged as
         its likely output (output_blocks).
@@ -352,6 +355,10 @@ class AdmissionController:
             if not fits:
                 return Decision(False, [], retry_after_s(best, limit, retry), "queue_time", queue_time_s=best)
         fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
+        if lora is not None and self.config.lora_affinity:
+            resident = {rid for rid in fits if lora in self.replicas[rid].stats.lora_adapters}
+            load = {rid: self.replicas[rid].stats.num_running + self.replicas[rid].stats.num_waiting for rid in fits}
+            fits = prefer_resident(fits, resident, {rid: n + self.reserved(rid)[1] for rid, n in load.items()})
         return Decision(
             True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]], need[fits[0]]
         )

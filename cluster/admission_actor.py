@@ -208,15 +208,17 @@ class AdmissionClient:
         keys: Sequence[bytes] = (),
         num_seqs: int = 1,
         output_tokens: int = 0,
+        lora: str | None = None,
     ) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
-        refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens."""
+        refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens; `lora`: its
+        LoRA adapter."""
         self.decisions += 1
         if self.quiet:
             self.quiet = False
             self._wake.set()
         now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs)
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
         reached = self.fetched_at > float("-inf")
         if not d.admit and d.reason in ("no_replicas", "stale") and reached and self.failed_at > self.fetched_at:
             return self._fail_open(d, self.error)  # the background refresh keeps trying; requests don't wait on it
@@ -227,11 +229,11 @@ class AdmissionClient:
             except Exception as e:
                 return self._fail_open(d, e)
             now = self.clock()
-            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs)
+            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
         short = not d.admit and d.reason == "lease"
         if short:
             self.demand += d.new_blocks
-            d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_tokens, num_seqs)
+            d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_tokens, num_seqs, lora)
             now = self.clock()
         cfg = self.controller.config
         if not d.admit and d.reason in ("saturated", "no_room", "lease") and self.queued < cfg.max_queued:
@@ -243,7 +245,9 @@ class AdmissionClient:
                     except asyncio.TimeoutError:
                         pass
                     now = self.clock()
-                    d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs)
+                    d = self.controller.decide(
+                        num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora
+                    )
             finally:
                 self.queued -= 1
         if d.admit:

@@ -27,18 +27,20 @@ Wiring (Ray Serve 2.60):
   request (the default, strict max_ongoing_requests path).
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from conveyor.cluster.prefix_index import PrefixIndex
-from conveyor.cluster.score import replica_score
+from conveyor.cluster.score import prefer_resident, replica_score
 from conveyor.cluster.stats import ReplicaStats, block_hashes, num_blocks
 from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
 from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
 MAX_PREFIX_BLOCKS = 256
+LORA_ROUTED_S = 2.0  # a replica sent an adapter's request counts as holding it this long, until its stats say so
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class RoutingHint:
     replicas: tuple[str, ...] = ()
     pressure: dict[str, float] = field(default_factory=dict)
     cached_blocks: dict[str, int] = field(default_factory=dict)
+    lora: str | None = None  # the LoRA adapter the request runs with, by name
 
     @classmethod
     def from_token_ids(
@@ -63,14 +66,18 @@ class RoutingHint:
         salt: str | None = None,
         cached_blocks: dict[str, int] | None = None,
         keys: Sequence[bytes] | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> "RoutingHint":
-        keys = block_hashes(token_ids, block_size, salt, MAX_PREFIX_BLOCKS) if keys is None else keys
+        """lora: the adapter's (name, cache key): its requests' prefix keys are its own."""
+        if keys is None:
+            keys = block_hashes(token_ids, block_size, salt, MAX_PREFIX_BLOCKS, lora[1] if lora else None)
         return cls(
             tuple(keys),
             num_blocks(len(token_ids), block_size),
             tuple(replicas),
             dict(pressure or {}),
             dict(cached_blocks or {}),
+            lora[0] if lora else None,
         )
 
 
@@ -85,6 +92,7 @@ def find_hint(args: Sequence[Any], kwargs: dict[str, Any]) -> RoutingHint | None
 @dataclass(frozen=True)
 class RouterConfig:
     affinity_weight: float = 1.0
+    lora_affinity: bool = True  # replicas holding the request's LoRA adapter first (False: adapter-blind)
     headroom_weight: float = 0.5
     queue_weight: float = 0.5
     high_watermark: float = HIGH_WATERMARK
@@ -182,6 +190,7 @@ class KVAwareRequestRouter(RequestRouter):
         self.config = RouterConfig(**kwargs)
         self.index = PrefixIndex(self.config.max_blocks_per_replica)
         self.saturated: dict[str, bool] = {}
+        self.lora_routed: dict[tuple[str, str], float] = {}  # (adapter, replica) -> when this router sent one there
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "config"):
@@ -209,7 +218,25 @@ class KVAwareRequestRouter(RequestRouter):
             getattr(hint, "cached_blocks", None),
         )
         self.saturated.update({s.replica_id: s.saturated for s in scored})
-        return [by_id[rid] for rid in choose(scored, self.config, hint.replicas if hint else ())]
+        order = choose(scored, self.config, hint.replicas if hint else ())
+        lora = getattr(hint, "lora", None)
+        if (
+            lora is not None and self.config.lora_affinity and not any(rid in by_id for rid in hint.replicas)
+        ):  # admission's order already is
+            order = prefer_resident(order, self.resident(lora, replicas), {s.replica_id: s.load for s in scored})
+        return [by_id[rid] for rid in order]
+
+    def resident(self, lora: str, replicas: Sequence[RunningReplica]) -> set[str]:
+        """Replicas whose routing stats list the adapter, or that this router sent it to lately."""
+        now, out = time.monotonic(), set()
+        for r in replicas:
+            rid = r.replica_id.unique_id
+            if (
+                lora in (r.routing_stats or {}).get("lora_adapters", ())
+                or now - self.lora_routed.get((lora, rid), -1e9) < LORA_ROUTED_S
+            ):
+                out.add(rid)
+        return out
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -223,6 +250,10 @@ class KVAwareRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._ensure_state()
         hint = find_hint(pending_request.args, pending_request.kwargs) if pending_request else None
+        if getattr(hint, "lora", None) is not None:
+            self.lora_routed[(hint.lora, replica_id.unique_id)] = time.monotonic()
+            if len(self.lora_routed) > 4096:
+                self.lora_routed = dict(sorted(self.lora_routed.items(), key=lambda kv: kv[1])[-2048:])
         if hint and hint.prefix_hashes:
             replica = self.curr_replicas.get(replica_id)
             capacity = (getattr(replica, "routing_stats", None) or {}).get("kv_blocks_total")

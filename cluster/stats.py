@@ -53,10 +53,15 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, salt: str | None = None, max_blocks: int | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    max_blocks: int | None = None,
+    lora: str | None = None,
 ) -> list[bytes]:
-    """The engine's own prefix-cache keys of the prompt's full blocks (engine/core/prefix_hash.py)."""
-    return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks)
+    """The engine's own prefix-cache keys of the prompt's full blocks (engine/core/prefix_hash.py); lora: the
+    adapter's cache key (engine/lora_request.py lora_cache_key)."""
+    return prefix_hash.block_hashes(token_ids, block_size, salt, max_blocks, lora)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from conveyor.cluster.autoscaling import KVScalingConfig
 from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.http_guard import GuardConfig
 from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
+from conveyor.deployments.protocol import LoRAModule
 from conveyor.deployments.replica import ADMISSION_ACTOR, LLMReplica
 from conveyor.deployments.router import Router
 from conveyor.deployments.tool_parsers import TOOL_PARSERS
@@ -94,6 +95,9 @@ class AppArgs(BaseModel):
     # where the routers run; None: on the head node when router_replicas is 1, else spread by Serve
     router_resources: dict[str, float] | None = None
     api_key: str | None = Field(None, min_length=1, repr=False)
+    # LoRA adapters served from the start, each under its name (the request's `model`); engine.max_loras sets the
+    # slots (1 when unset here)
+    lora_modules: list[LoRAModule] = []
     protect_health_metrics: bool = False
     max_body_bytes: int = Field(8 * 2**20, ge=1024)
     host: str = "127.0.0.1"
@@ -159,12 +163,13 @@ class AppArgs(BaseModel):
         weights = {
             k: v
             for k, v in (self.request_router or {}).items()
-            if k in ("affinity_weight", "headroom_weight", "queue_weight")
+            if k in ("affinity_weight", "headroom_weight", "queue_weight", "lora_affinity")
         }
         return {**weights, **(self.admission or {}), "block_size": self.block_size}
 
     def engine_config(self) -> dict[str, Any]:
-        return {**self.engine, "model": self.model, "revision": self.revision}
+        loras = {"max_loras": 1} if self.lora_modules and "max_loras" not in self.engine else {}
+        return {**loras, **self.engine, "model": self.model, "revision": self.revision}
 
     def use_gpu(self) -> bool:
         device = self.engine.get("device", "auto")
@@ -235,6 +240,7 @@ def build_app(args: AppArgs) -> Application:
         stats_push_s=push,
         engine_core_process=args.engine_core_process,
         heartbeat_s=heartbeat,
+        lora_modules=[m.model_dump() for m in args.lora_modules],
     )
     router_resources = args.router_resources
     if router_resources is None:
@@ -257,6 +263,7 @@ def build_app(args: AppArgs) -> Application:
         args.template_text(),
         args.tool_call_parser,
         GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
+        [m.model_dump() for m in args.lora_modules],
     )
 
 

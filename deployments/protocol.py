@@ -399,12 +399,34 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "conveyor"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoRAModule(Strict):
+    """A LoRA adapter served under `name` (the request's `model`): a PEFT adapter directory or Hub id."""
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(min_length=1, max_length=4096)
+
+
+class LoadLoRAAdapterRequest(Strict):
+    """POST /v1/load_lora_adapter, vLLM's shape."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(Strict):
+    """POST /v1/unload_lora_adapter, vLLM's shape (lora_int_id accepted and ignored: names are unique)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -415,6 +437,7 @@ class GenerateRequest(BaseModel):
     priority: int = 0
     stream: bool = True
     cache_salt: str | None = None
+    lora: LoRAModule | None = None  # the adapter the request runs with (None: the base model)
     reply_to: str | None = None  # the router's token channel (deployments/token_channel.py); None: not streamed
 
 

@@ -1,4 +1,5 @@
 import asyncio
+import itertools
 import logging
 import time
 from contextlib import aclosing
@@ -13,11 +14,12 @@ from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.stats import ReplicaStats, push_due
 from conveyor.deployments.metrics import ReplicaMetrics, wall
-from conveyor.deployments.protocol import Chunk, Delta, GenerateRequest
+from conveyor.deployments.protocol import Chunk, Delta, GenerateRequest, LoRAModule
 from conveyor.deployments.responses import merge_deltas
 from conveyor.deployments.serve_logs import flush_at_warning
 from conveyor.deployments.token_channel import TokenOutbox
 from conveyor.engine import AsyncEngine, EngineConfig, SamplingParams
+from conveyor.engine.lora_request import LoRARequest
 
 ADMISSION_ACTOR = "admission"
 MAX_KV_EVENTS = 4096
@@ -40,6 +42,7 @@ class LLMReplica:
         stats_push_s: float = 0.0,
         engine_core_process: bool = True,
         heartbeat_s: float = 0.0,
+        lora_modules: list[dict[str, str]] | None = None,
     ) -> None:
         flush_at_warning()
         self.stream_interval = stream_interval
@@ -56,6 +59,29 @@ class LLMReplica:
         self.stats_push_s, self.heartbeat_s, self._actor = stats_push_s, heartbeat_s, None
         self.outbox = TokenOutbox()
         self._pusher = asyncio.create_task(self._push_loop()) if stats_push_s > 0 else None
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        for module in lora_modules or []:
+            self.lora_request(LoRAModule(**module))
+
+    def lora_request(self, module: LoRAModule | None) -> LoRARequest | None:
+        """The engine's LoRARequest for the adapter the router names, registered (and checked: a ValueError
+        names what is wrong) on first use here; a name whose path changed is registered anew."""
+        if module is None:
+            return None
+        known = self.loras.get(module.name)
+        if known is not None and known.path == module.path:
+            return known
+        lora = LoRARequest(module.name, next(self._lora_ids), module.path)
+        if known is not None:
+            self.engine.remove_lora(module.name)
+        self.engine.add_lora(lora)
+        self.loras[module.name] = lora
+        return lora
+
+    def check_lora(self, name: str, path: str) -> None:
+        """POST /v1/load_lora_adapter's check, on one replica: raises the ValueError that names the problem."""
+        self.lora_request(LoRAModule(name=name, path=path))
 
     def admission(self) -> Any:
         """The app's admission actor handle, resolved anew after it was recreated."""
@@ -124,6 +150,7 @@ class LLMReplica:
         clock: dict[str, float],
         interval: int,
         cache_salt: str | None,
+        lora: LoRARequest | None = None,
     ) -> None:
         text_len, num_ids, finish = 0, 0, None
         try:
@@ -135,6 +162,7 @@ class LLMReplica:
                 cache_salt=cache_salt,
                 stream_interval=interval,
                 validated=True,
+                lora_request=lora,
             ):
                 self.metrics.observe_output(out)
                 clock["arrival"] = min(clock.get("arrival", float("inf")), wall(out.metrics.arrival_time))
@@ -169,8 +197,11 @@ class LLMReplica:
         queue: asyncio.Queue = asyncio.Queue()
         clock: dict[str, float] = {}
         interval = self.stream_interval if req.stream else 1 << 30
+        lora = self.lora_request(req.lora)
         tasks = [
-            asyncio.create_task(self._pump(idx, rid, prompt, sp, req.priority, queue, clock, interval, req.cache_salt))
+            asyncio.create_task(
+                self._pump(idx, rid, prompt, sp, req.priority, queue, clock, interval, req.cache_salt, lora)
+            )
             for idx, rid, prompt, sp in jobs
         ]
         live = {idx: rid for idx, rid, _, _ in jobs}

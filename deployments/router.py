@@ -6,7 +6,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -27,9 +27,12 @@ from conveyor.deployments.protocol import (
     Chunk,
     CompletionRequest,
     GenerateRequest,
+    LoadLoRAAdapterRequest,
+    LoRAModule,
     ModelCard,
     ModelList,
     SamplingRequest,
+    UnloadLoRAAdapterRequest,
 )
 from conveyor.deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
 from conveyor.deployments.serve_logs import flush_at_warning
@@ -40,6 +43,7 @@ from conveyor.engine.checkpoints.model_source import resolve_model
 from conveyor.engine.frontend.chat_template import render_chat
 from conveyor.engine.frontend.generation_defaults import SAMPLING_KEYS, load_generation_defaults
 from conveyor.engine.frontend.limits import RequestLimits
+from conveyor.engine.lora_request import lora_cache_key
 from conveyor.engine.sampling_params import StructuredParams
 
 log = logging.getLogger("ray.serve")
@@ -87,6 +91,7 @@ class Router:
         chat_template: str | None = None,
         tool_call_parser: str = "hermes",
         guard: GuardConfig | None = None,
+        lora_modules: list[dict[str, str]] | None = None,
     ) -> None:
         flush_at_warning()
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
@@ -109,6 +114,8 @@ class Router:
         self._metrics_actor: Any = None
         self._info: dict[str, Any] | None = None
         self.block_size = block_size
+        # LoRA adapters by name (the request's `model`): the app's lora_modules, then this router's loads
+        self.loras = {m.name: m for m in map(LoRAModule.model_validate, lora_modules or [])}
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if admission else None
         if self.gate is not None:
             self.gate.start()
@@ -136,15 +143,19 @@ class Router:
             self._info = await self.replica.info.remote()
         return self._info
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                f"The model `{model}` does not exist.",
-                status=404,
-                param="model",
-                type="not_found_error",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRAModule | None:
+        """The adapter `model` names (None: the base model); a 404 for a name served by neither."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        raise APIError(
+            f"The model `{model}` does not exist.",
+            status=404,
+            param="model",
+            type="not_found_error",
+            code="model_not_found",
+        )
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -207,14 +218,21 @@ class Router:
         )
 
     async def admit(
-        self, prompts: list[list[int]], n: int, where: str, max_tokens: int = 0, salt: str | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        where: str,
+        max_tokens: int = 0,
+        salt: str | None = None,
+        lora: LoRAModule | None = None,
     ) -> RoutingHint:
         """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
+        adapter = (lora.name, lora_cache_key(lora.name, lora.path)) if lora is not None else None
         if self.gate is None:
-            return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt)
+            return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt, lora=adapter)
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
-        keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS)
-        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens)
+        keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS, adapter and adapter[1])
+        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
             return RoutingHint.from_token_ids(
@@ -224,6 +242,7 @@ class Router:
                 self.gate.controller.kv_demands(self.gate.clock()),
                 cached_blocks=d.cached_blocks,
                 keys=keys,
+                lora=adapter,
             )
         if d.reason == "prompt_too_large":
             raise APIError(f"the {where} needs {max(sizes)} KV-cache blocks, more than any replica has", param=where)
@@ -361,7 +380,7 @@ class Router:
             return error_response(self.drain.refusal())
         self.drain.enter()
         try:
-            self.check_model(req.model)
+            lora = self.check_model(req.model)
             structured, parser = req.structured(), None
             if isinstance(req, ChatCompletionRequest):
                 prompts, structured, parser = self.chat_prompt(req, structured)
@@ -374,11 +393,13 @@ class Router:
                 prompts, where = self.tokenize_prompts(req.prompt), "prompt"
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where, structured)
                 rid = f"cmpl-{gen_req.request_id}"
-            hint = await self.admit(prompts, req.n, where, gen_req.sampling.get("max_tokens") or 0, req.cache_salt)
+            gen_req.lora = lora
+            max_tokens = gen_req.sampling.get("max_tokens") or 0
+            hint = await self.admit(prompts, req.n, where, max_tokens, req.cache_salt, lora)
             builder = ResponseBuilder(
                 isinstance(req, ChatCompletionRequest),
                 rid,
-                self.model_name,
+                self.model_name if lora is None else lora.name,
                 len(prompts) * req.n,
                 sum(map(len, prompts)),
                 req.num_logprobs(),
@@ -426,7 +447,39 @@ class Router:
     @app.get("/v1/models")
     async def models(self) -> ModelList:
         info = await self.info()
-        return ModelList(data=[ModelCard(id=self.model_name, root=info["model"], max_model_len=info["max_model_len"])])
+        limit = info["max_model_len"]
+        base = ModelCard(id=self.model_name, root=info["model"], max_model_len=limit)
+        adapters = [
+            ModelCard(id=m.name, root=m.path, parent=self.model_name, max_model_len=limit) for m in self.loras.values()
+        ]
+        return ModelList(data=[base, *adapters])
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's endpoint: checks the adapter on a replica, then serves it under lora_name on this router;
+        replicas load it into a slot when a request first needs it."""
+        name = req.lora_name
+        if name == self.model_name or name in self.loras:
+            what = "the base model" if name == self.model_name else f"a loaded adapter ({self.loras[name].path})"
+            return error_response(
+                APIError(f"The lora adapter '{name}' has already been loaded: it names {what}.", param="lora_name")
+            )
+        try:
+            await self.replica.check_lora.remote(name, req.lora_path)
+        except Exception as e:
+            e = cause(e)
+            if isinstance(e, ValueError):
+                return error_response(APIError(str(e), param="lora_path"))
+            return error_response(APIError(f"loading the adapter failed: {e}", status=500, type="internal_error"))
+        self.loras[name] = LoRAModule(name=name, path=req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> Response:
+        if self.loras.pop(req.lora_name, None) is None:
+            message = f"The lora adapter '{req.lora_name}' cannot be found."
+            return error_response(APIError(message, status=404, param="lora_name", type="not_found_error"))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -107,6 +107,8 @@ class EngineConfig:
     # speculative decoding: a SpeculativeConfig or a dict of its fields ({method: ngram, num_speculative_tokens: 4});
     # None: off
     speculative: SpeculativeConfig | dict | None = None
+    max_loras: int = 0  # LoRA adapters resident at once (slots, LRU); 0: LoRA off (engine/model/lora.py)
+    max_lora_rank: int = 16  # the largest adapter rank accepted; every slot holds this rank
     model_runner_cls: str = (
         "conveyor.engine.execution.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     )
@@ -127,6 +129,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 _fail(name, f"must be a positive integer or None, got {value!r}")
+        if not isinstance(self.max_lora_rank, int) or isinstance(self.max_lora_rank, bool) or self.max_lora_rank < 1:
+            _fail("max_lora_rank", f"must be a positive integer, got {self.max_lora_rank!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.watermark < 1:
@@ -139,6 +143,7 @@ class EngineConfig:
             "max_num_partial_prefills",
             "max_prefill_tokens_while_decoding",
             "cold_output_tokens",
+            "max_loras",
         ):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0, got {getattr(self, name)!r}")

@@ -40,6 +40,8 @@ class EngineStats:
     tokens_left: list[int] = field(default_factory=list)  # running requests' likely tokens left, ascending, <= 64
     num_growth_blocks: int = 0  # blocks running and waiting requests still take at their likely output lengths
     likely_output_tokens: int = 0  # a new request's likely output length (0: not known)
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters resident in the model's slots, by name
+    num_lora_loads: int = 0  # cumulative adapter loads into a slot
     iteration_tokens_sum: int = 0
     # speculative decoding (vLLM's names): speculating request-steps, their draft tokens, the accepted ones
     spec_decode_num_drafts: int = 0

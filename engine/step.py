@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class ScheduledChunk:
     new_block_ids: list[int]
     reset_blocks: bool
     sample: bool
+    lora_slot: int = -1  # the adapter slot its tokens run with (-1: the base model)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class SchedulerOutput:
     grammar: "GrammarBitmask | None" = None
     # speculative decoding: a request's draft tokens, which its chunk carries after its last token
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # adapters to load into slots first
 
     @cached_property
     def num_tokens(self) -> int:

@@ -128,6 +128,7 @@ ENGINE_LAYERS = {
     "checkpoints": 0,
     "stats": 0,
     "sampling_params": 0,
+    "lora_request": 0,
     "model": 1,
     "config": 2,
     "step": 2,

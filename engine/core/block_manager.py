@@ -94,9 +94,8 @@ class BlockManager:
         hashes = self.hashes.setdefault(seq.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), seq.num_tokens // bs):
-            hashes.append(
-                block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
-            )
+            parent, tokens = hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]
+            hashes.append(block_hash(parent, tokens, seq.cache_salt, seq.lora and seq.lora.cache_key))
         return hashes
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:

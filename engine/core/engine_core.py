@@ -71,7 +71,9 @@ class EngineCore:
         rid = req.request_id
         if rid in self.scheduler.requests or rid in self.compiling:
             raise ValueError(f"request_id {rid!r} is already running")
-        seq = Sequence(rid, list(req.prompt_token_ids), req.params, priority=req.priority, cache_salt=req.cache_salt)
+        seq = Sequence(
+            rid, list(req.prompt_token_ids), req.params, priority=req.priority, cache_salt=req.cache_salt, lora=req.lora
+        )
         if req.arrival_time is not None:
             seq.arrival_time = req.arrival_time
         if req.params.structured is not None:
@@ -221,6 +223,8 @@ class EngineCore:
             num_growth_blocks=growth,
             likely_output_tokens=self.output_lengths.typical(),
             **self._spec_counters(),
+            lora_adapters=s.lora_slots.names() if s.lora_slots is not None else [],
+            num_lora_loads=s.lora_slots.num_loads if s.lora_slots is not None else 0,
         )
 
     def _spec_counters(self) -> dict:

@@ -124,7 +124,9 @@ def check_tables(sched: "Scheduler") -> None:
         hashes = kv.hashes.get(rid, [])
         parent = None
         for i, h in enumerate(hashes):
-            parent = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
+            parent = block_hash(
+                parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt, seq.lora and seq.lora.cache_key
+            )
             if h != parent:
                 _fail(f"request {rid!r}: prefix hash of block {i} does not match its tokens")
         for i, b in enumerate(table):

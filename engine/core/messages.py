@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from conveyor.engine.core.kv_events import KVEvents
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams, StructuredParams
 from conveyor.engine.stats import EngineStats
 
@@ -31,6 +32,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     priority: int = 0
     arrival_time: float | None = None
     cache_salt: str | None = None
+    lora: LoRARequest | None = None
 
 
 class FinishRequests(msgspec.Struct, tag="finish", array_like=True):

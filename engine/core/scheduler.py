@@ -9,6 +9,7 @@ from operator import attrgetter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.invariants import check_invariants
+from conveyor.engine.core.lora_slots import LoRASlots
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.spec_decode import SpecController
 from conveyor.engine.core.watermark import Watermark
@@ -35,6 +36,7 @@ class Scheduler:
         self.now = 0.0
         self.prefill_left = 0
         self.spec = SpecController(config.speculative) if config.speculative is not None else None
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -74,6 +76,8 @@ class Scheduler:
         self.running.sort(key=_run_order)
         self._schedule_step(list(self.running), out, chunks)
         out.chunks = list(chunks.values())
+        if self.lora_slots is not None:
+            self.lora_slots.assign(out, self.requests, self.running)
         return out
 
     def _schedule_step(
@@ -178,6 +182,9 @@ class Scheduler:
             if not candidates:
                 break
             seq = min(candidates, key=self._wait_key)
+            if self.lora_slots is not None and not self.lora_slots.admits(seq, self.running):
+                capped.add(seq)
+                continue
             swapped = seq.status is SequenceStatus.SWAPPED
             prefix = [] if swapped else self.kv.cached_prefix(seq)
             cached = seq.num_computed_tokens if swapped else len(prefix) * self.kv.block_size

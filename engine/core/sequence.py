@@ -2,6 +2,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    lora: LoRARequest | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from conveyor.engine.checkpoints.loader import load_weights
+from conveyor.engine.checkpoints.lora import read_adapter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.host_memory import keep_freed_memory
 from conveyor.engine.execution.persistent_batch import PersistentBatch
@@ -19,6 +20,7 @@ from conveyor.engine.execution.sampler import SamplingBatch, add_constraints, sa
 from conveyor.engine.model.attention import AttentionMetadata
 from conveyor.engine.model.linear import pack_weights, padded_rows
 from conveyor.engine.model.llama import LlamaForCausalLM, head_dim_of
+from conveyor.engine.model.lora import LoRAModel
 from conveyor.engine.model.parallel import tp_rank
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.stats import cdiv
@@ -76,6 +78,9 @@ class ModelRunner:
             self.model = LlamaForCausalLM(hf, ops, config.max_model_len)
         torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model_path, hf.tie_word_embeddings)
+        self.lora = None  # before packing: the slots take the linears' shapes and shard loaders
+        if config.max_loras:
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device)
         if config.cpu_threads_bind == "auto" and ops.fused is not None:
             allowed, n = _process_cpus(), torch.get_num_threads()
             cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
@@ -171,6 +176,8 @@ class ModelRunner:
             self._add_request(r)
         self.swap_blocks(so.swap_out, to_cpu=True)
         self.swap_blocks(so.swap_in, to_cpu=False)
+        for slot, lora in so.lora_loads:
+            self.lora.load(slot, read_adapter(lora.path, self.config.hf_config, self.config.max_lora_rank))
         if not so.chunks:
             return ModelRunnerOutput([], [], []) if self.rank == 0 else None
         chunks = sorted(so.chunks, key=_is_prefill)
@@ -306,7 +313,13 @@ class ModelRunner:
         )
         if len(sample_idx) < cu[-1] and not drafts:
             meta.sampled = self._sampled_meta(meta.slot_mapping, block_tables[sample], seq_lens32[sample])
-        return t(input_ids), t(positions), meta, t(sample_idx), sample_rows, sampled
+        sample_idx = t(sample_idx)
+        if self.lora is not None:
+            lora_slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=n)
+            token_slots = lora_slots if nd == n else np.repeat(lora_slots, q_lens)
+            token_slots = np.pad(token_slots, (0, len(input_ids) - len(token_slots)), constant_values=-1)
+            self.lora.set_batch(token_slots, sample_idx if meta.sampled is not None else None)
+        return t(input_ids), t(positions), meta, sample_idx, sample_rows, sampled
 
     def _sampled_meta(
         self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray

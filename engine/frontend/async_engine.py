@@ -15,6 +15,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.kv_events import KVEvents
 from conveyor.engine.frontend.llm_engine import LLMEngine
 from conveyor.engine.frontend.outputs import RequestOutput
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.stats import EngineStats
 
@@ -64,6 +65,16 @@ class AsyncEngine:
     def request_kv_reset(self) -> None:
         self.engine.request_kv_reset()
 
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Checks and registers an adapter (LLMEngine.add_lora); thread-safe."""
+        self.engine.add_lora(lora)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.engine.loras.values())
+
     def check_health(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
@@ -80,11 +91,15 @@ class AsyncEngine:
         cache_salt: str | None = None,
         stream_interval: int = 1,
         validated: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """validated: the caller (the replica, behind the router) has checked the request already."""
+        """validated: the caller (the replica, behind the router) has checked the request already.
+        lora_request: the adapter it runs with; checked here (add_lora) unless registered already."""
         self.check_health()
         if not validated:
             self.validate(prompt_token_ids, sampling_params)
+        if lora_request is not None:
+            self.engine.add_lora(lora_request)
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -93,7 +108,9 @@ class AsyncEngine:
         finished = False
         try:
             if self.in_process:
-                self._inbox.put(("add", rid, prompt_token_ids, sampling_params, priority, cache_salt, interval))
+                self._inbox.put(
+                    ("add", rid, prompt_token_ids, sampling_params, priority, cache_salt, interval, lora_request)
+                )
             else:
                 with self._lock:
                     self.engine.add_request(
@@ -104,6 +121,7 @@ class AsyncEngine:
                         cache_salt=cache_salt,
                         validated=True,
                         output_interval=interval,
+                        lora_request=lora_request,
                     )
             while not finished:
                 item = await stream.queue.get()
@@ -144,12 +162,19 @@ class AsyncEngine:
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, ids, params, priority, salt, interval = command
+            _, rid, ids, params, priority, salt, interval, lora = command
             if rid not in self._streams:
                 return
             try:
                 self.engine.add_request(
-                    rid, ids, params, priority=priority, cache_salt=salt, validated=True, output_interval=interval
+                    rid,
+                    ids,
+                    params,
+                    priority=priority,
+                    cache_salt=salt,
+                    validated=True,
+                    output_interval=interval,
+                    lora_request=lora,
                 )
             except ValueError as e:
                 self._deliver([(rid, e)])

@@ -8,6 +8,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.frontend.chat_template import render_chat
 from conveyor.engine.frontend.llm_engine import LLMEngine
 from conveyor.engine.frontend.outputs import RequestOutput
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 
 Prompt = str | dict
@@ -44,8 +45,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
         cache_salt: list[str | None] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """cache_salt (or a prompt dict's "cache_salt" key): prefix-cache hits only among equal salts."""
+        """cache_salt (or a prompt dict's "cache_salt" key): prefix-cache hits only among equal salts.
+        lora_request: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if isinstance(sampling_params, list):
             params = sampling_params
@@ -57,17 +60,24 @@ class LLM:
         salts = cache_salt or [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         if len(salts) != len(prompts) or any(s is not None and not isinstance(s, str) for s in salts):
             raise ValueError(f"cache_salt must be one string or None per prompt ({len(prompts)} prompts)")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         requests = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             text, ids = self._tokenize(prompt)
             self.engine.validate(ids, p)
+            if lora is not None:
+                self.engine.add_lora(lora)
             requests.append((text, ids, p))
         order: dict[str, tuple[int, int]] = {}
-        for i, ((text, ids, p), prio, salt) in enumerate(zip(requests, priority, salts)):
+        for i, ((text, ids, p), prio, salt, lora) in enumerate(zip(requests, priority, salts, loras)):
             for j, sub in enumerate(p.fan_out()):
                 rid = str(next(self._ids))
                 order[rid] = (i, j)
-                self.engine.add_request(rid, ids, sub, priority=prio, prompt=text, cache_salt=salt, validated=True)
+                self.engine.add_request(
+                    rid, ids, sub, priority=prio, prompt=text, cache_salt=salt, validated=True, lora_request=lora
+                )
         return self._run(order, len(prompts), use_tqdm)
 
     def chat(
@@ -77,6 +87,7 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat template;
         `tools` (OpenAI function specs) go to the template, which must support them."""
@@ -85,7 +96,7 @@ class LLM:
         for conv in conversations:
             text = render_chat(self.tokenizer, conv, tools, add_generation_prompt)
             prompts.append({"prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * num_prompts

@@ -6,6 +6,7 @@ import time
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from conveyor.engine.checkpoints.lora import read_adapter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.core.kv_events import KVEvents
@@ -14,6 +15,7 @@ from conveyor.engine.frontend.generation_defaults import GenerationDefaults, loa
 from conveyor.engine.frontend.limits import RequestLimits
 from conveyor.engine.frontend.output_processor import OutputProcessor
 from conveyor.engine.frontend.outputs import RequestOutput
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.process.core_client import InprocClient, MPClient
 from conveyor.engine.process.heap import freeze_startup_heap
 from conveyor.engine.sampling_params import SamplingParams
@@ -39,6 +41,7 @@ class LLMEngine:
         self.num_blocks = self.core.num_blocks
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
         self.processor = OutputProcessor(self.tokenizer)
+        self.loras: dict[str, LoRARequest] = {}  # adapters checked against the model, by name
         freeze_startup_heap(self)
 
     @property
@@ -69,6 +72,24 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
 
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Checks the adapter against the model (a ValueError names what is wrong) and registers it by name; the
+        model runner loads it into a slot when a request first needs it. A name registered with another adapter
+        is refused: unload it first."""
+        if not self.config.max_loras:
+            raise ValueError("lora_request: LoRA is off (EngineConfig.max_loras is 0)")
+        known = self.loras.get(lora.name)
+        if known is not None:
+            if known != lora:
+                raise ValueError(f"lora_request: an adapter named {lora.name!r} is already loaded ({known.path})")
+            return
+        read_adapter(lora.path, self.config.hf_config, self.config.max_lora_rank)
+        self.loras[lora.name] = lora
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregisters the adapter: new requests cannot name it; those running with it finish with it."""
+        return self.loras.pop(name, None) is not None
+
     def add_request(
         self,
         request_id: str,
@@ -80,16 +101,20 @@ class LLMEngine:
         cache_salt: str | None = None,
         validated: bool = False,
         output_interval: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """validated: the caller (LLM.generate, AsyncEngine.generate) has checked the request already.
-        output_interval: a streamed request's tokens per output (OutputProcessor.add)."""
+        output_interval: a streamed request's tokens per output (OutputProcessor.add).
+        lora_request: the adapter it runs with (registered here first if it is not yet)."""
         if not validated:
             self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.processor.add(request_id, prompt, list(prompt_token_ids), params, arrival_time, output_interval)
         try:
             self.core.add_request(
-                AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time, cache_salt)
+                AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time, cache_salt, lora_request)
             )
         except BaseException:
             self.processor.requests.pop(request_id, None)

@@ -142,7 +142,7 @@ def pack_weights(model: nn.Module, fused: ModuleType | None = None) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split along the output dim; each rank keeps its slice of the outputs."""
 
-    packable, packed = True, None
+    packable, packed, lora = True, None, None  # lora: its adapters' LoRALinear (engine/model/lora.py)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -158,7 +158,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_rows(loaded, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.packed, self.bias)
+        y = matmul(x, self.weight, self.packed, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -203,7 +204,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split along the input dim; partial sums are all-reduced."""
 
-    packable, packed = True, None
+    packable, packed, lora = True, None, None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -222,5 +223,6 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, self.tp_rank * n : (self.tp_rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight, self.packed))
+        y = matmul(x, self.weight, self.packed)
+        y = all_reduce(y if self.lora is None else self.lora(x, y))
         return y + self.bias if self.bias is not None else y
