@@ -28,6 +28,18 @@ class ScheduledChunk:
     sample: bool
 
 
+KVCopy = tuple[int, int, int, int]  # (source tier, slot, destination tier, slot); tier 0 is the pool (slot: block id)
+
+
+@dataclass
+class KVTransfer:
+    """A step's copies between the pool and the lower KV tiers (engine/core/kv_tiers.py), each list in order."""
+
+    before: list[KVCopy]  # before the step's forward: stores of blocks the pool evicts now, and loads
+    after: list[KVCopy]  # beside the forward, on the runner's copy thread; done before the next step's copies
+    num_loads: int = 0
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -36,6 +48,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     grammar: "GrammarBitmask | None" = None
+    kv_transfer: KVTransfer | None = None
 
     @cached_property
     def num_tokens(self) -> int:
@@ -48,3 +61,4 @@ class ModelRunnerOutput:
     req_ids: list[str]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    kv_load_s: float = 0.0  # time the step's copies before its forward took (rank 0)

@@ -3,6 +3,7 @@
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -13,6 +14,7 @@ import torch
 from conveyor.engine.checkpoints.loader import load_weights
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.host_memory import keep_freed_memory
+from conveyor.engine.execution.kv_tier_store import KVTierStore
 from conveyor.engine.execution.persistent_batch import PersistentBatch
 from conveyor.engine.execution.sampler import SamplingBatch, add_constraints, sample
 from conveyor.engine.model.attention import AttentionMetadata
@@ -89,6 +91,7 @@ class ModelRunner:
         self.biased: set[str] = set()  # requests with a logit_bias
         self.kv_cache = torch.empty(0)
         self.cpu_cache = torch.empty(0)
+        self.tier_store: KVTierStore | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -133,6 +136,18 @@ class ModelRunner:
                 (*shape[:2], swap_blocks, *shape[3:]), dtype=self.config.torch_dtype, pin_memory=pin
             )
 
+    def allocate_kv_tiers(self) -> list[tuple[str, int]]:
+        """The lower KV tiers' memory on this rank (its shard of every block); returns (tier, slots) from the
+        top tier down, the same on every rank."""
+        offload = self.config.kv_offload
+        if offload is None:
+            return []
+        tiers = offload.tier_slots(self.block_bytes * self.config.tensor_parallel_size)
+        if self.tier_store is not None:
+            self.tier_store.close()
+        self.tier_store = KVTierStore(self.kv_cache, tiers, offload.disk_path, self.rank) if tiers else None
+        return tiers
+
     def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:
             return
@@ -165,8 +180,9 @@ class ModelRunner:
             self._add_request(r)
         self.swap_blocks(so.swap_out, to_cpu=True)
         self.swap_blocks(so.swap_in, to_cpu=False)
+        load_s = self._transfer(so) if self.tier_store is not None else 0.0
         if not so.chunks:
-            return ModelRunnerOutput([], [], []) if self.rank == 0 else None
+            return ModelRunnerOutput([], [], [], load_s) if self.rank == 0 else None
         chunks = sorted(so.chunks, key=_is_prefill)
         for c in chunks:
             if c.new_block_ids or c.reset_blocks:
@@ -187,7 +203,23 @@ class ModelRunner:
             for rid, tok in zip(sampled, tokens):
                 if rid in self.special:
                     self.requests[rid].output_token_ids.append(tok)
-        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens))
+        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens), load_s)
+
+    def _transfer(self, so: SchedulerOutput) -> float:
+        """The step's tier copies: the last step's background ones finish, this step's `before` ones run here
+        (timed), its `after` ones start beside the forward."""
+        store = self.tier_store
+        store.wait()
+        t = so.kv_transfer
+        if t is None:
+            return 0.0
+        start = time.perf_counter()
+        store.run(t.before)
+        if self.device.type == "cuda" and t.before:
+            torch.cuda.current_stream().synchronize()
+        elapsed = time.perf_counter() - start
+        store.start(t.after)
+        return elapsed
 
     def _run(
         self,
