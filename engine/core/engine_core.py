@@ -7,6 +7,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from conveyor.engine.config import EngineConfig
@@ -19,6 +20,7 @@ from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.step_trace import StepTrace
 from conveyor.engine.execution.executor import make_executor
+from conveyor.engine.model.llama import head_dim_of
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -243,7 +245,27 @@ class EngineCore:
             tokens_left=sorted(self.tokens_left(q) for q in s.running)[:64],
             num_growth_blocks=growth,
             likely_output_tokens=self.output_lengths.typical(),
+            **self.tier_stats(),
         )
+
+    def tier_stats(self) -> dict:
+        tiers = self.block_manager.tiers
+        if tiers is None:
+            return {}
+        hf, cost = self.config.hf_config, self.load_cost
+        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        block_bytes = (
+            2 * hf.num_hidden_layers * self.config.block_size * hf.num_key_value_heads * head_dim_of(hf) * elem
+        )
+        return {
+            "kv_tier_hits": {t.name: t.stats.hits for t in tiers.tiers},
+            "kv_tier_stored": {t.name: t.stats.stored for t in tiers.tiers},
+            "kv_tier_blocks": {t.name: len(t.lru) for t in tiers.tiers},
+            "kv_tier_block_bytes": block_bytes,
+            "kv_tier_load_s": cost.load_s,
+            "kv_tier_loads": cost.num_loads,
+            "kv_tier_load_cost": cost.ratio,
+        }
 
     def tokens_left(self, seq: Sequence) -> int:
         """Output tokens the request likely still produces: up to its max_tokens, bounded by how long recent
