@@ -192,4 +192,8 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def engine_options(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        """The fields as plain values (JSON): what rebuilds this config in another process."""
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        if self.kv_offload is not None:
+            options["kv_offload"] = self.kv_offload.to_dict()
+        return options

@@ -9,12 +9,12 @@ from conveyor.engine import LLM, SamplingParams
 from tests.serve_app import assert_pool_whole, serve_app
 
 pytestmark = pytest.mark.slow
-POOL = dict(dtype="float32", num_blocks=12, block_size=8, max_num_batched_tokens=64, max_model_len=256)
+POOL = dict(dtype="float32", num_blocks=24, block_size=8, max_num_batched_tokens=64, max_model_len=256)
 
 
-def turns(n: int = 3, rounds: int = 2) -> list[list[list[int]]]:
+def turns(n: int = 4, rounds: int = 2) -> list[list[list[int]]]:
     return [
-        [[(17 * c + 5 * r + i) % 200 + 10 for i in range(40 if r == 0 else 6)] for r in range(rounds)] for c in range(n)
+        [[(17 * c + 5 * r + i) % 200 + 10 for i in range(64 if r == 0 else 6)] for r in range(rounds)] for c in range(n)
     ]
 
 
@@ -23,7 +23,9 @@ def test_multi_turn_chat_over_http_hits_the_host_tier_with_identical_text() -> N
     reference = LLM("demo:tiny", **POOL)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with serve_app({"engine": {**POOL, "kv_offload": {"host_gib": 0.001}}}) as app:
-        client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0)
+        # a 24-block pool: admission may answer 429 until the replica's stats settle its reservations; the client
+        # retries after Retry-After, as a user's would
+        client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=10)
         history: list[list[int]] = [[] for _ in convs]
         for r in range(len(convs[0])):
             for i, conv in enumerate(convs):
