@@ -154,9 +154,19 @@ class ReplicaMetrics:
         self.queue = hist("request_queue_time_seconds", "Engine arrival to first scheduled", REQUEST_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token", REQUEST_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS)
+        T = L + ("tier",)
+        self.tier_hits = Counter(p + "kv_tier_hits", "KV blocks loaded back from a lower tier", T, registry=r)
+        self.tier_bytes = Counter(
+            p + "kv_tier_bytes",
+            "KV bytes moved into (stored) and out of (loaded) a lower tier",
+            T + ("op",),
+            registry=r,
+        )
+        self.tier_load_s = Counter(p + "kv_tier_load_seconds", "Time of the steps' tier loads", L, registry=r)
+        self.tier_loads = Counter(p + "kv_tier_loads", "KV blocks loaded from the lower tiers", L, registry=r)
         self.iteration = _IterationTokens(p + "iteration_tokens_total", self.labels)
         r.register(self.iteration)
-        self._last: dict[str, int] = {}
+        self._last: dict[str, float] = {}
         self._seen: dict[str, tuple[float | None, int]] = {}
 
     def observe_output(self, out: RequestOutput) -> None:
@@ -207,6 +217,20 @@ class ReplicaMetrics:
             last = self._last.get(key, 0)
             self.accepted_per_pos.labels(**self.labels, position=str(pos)).inc(value - last if value >= last else value)
             self._last[key] = value
+        for tier, hits in s.kv_tier_hits.items():
+            stored, size = s.kv_tier_stored.get(tier, 0), s.kv_tier_block_bytes
+            self._inc(self.tier_hits.labels(**self.labels, tier=tier), f"hits:{tier}", hits)
+            self._inc(self.tier_bytes.labels(**self.labels, tier=tier, op="loaded"), f"lb:{tier}", hits * size)
+            self._inc(self.tier_bytes.labels(**self.labels, tier=tier, op="stored"), f"sb:{tier}", stored * size)
+        if s.kv_tier_hits:
+            self._inc(self.tier_load_s.labels(**self.labels), "load_s", s.kv_tier_load_s)
+            self._inc(self.tier_loads.labels(**self.labels), "loads", s.kv_tier_loads)
+
+    def _inc(self, counter: Any, key: str, value: float) -> None:
+        """A counter to a cumulative engine value (restarting if the value went down)."""
+        last = self._last.get(key, 0)
+        counter.inc(value - last if value >= last else value)
+        self._last[key] = value
 
     def dump(self, stats: EngineStats | None = None) -> Dump:
         if stats is not None:

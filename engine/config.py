@@ -6,6 +6,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from conveyor.engine.checkpoints.model_source import resolve_model
+from conveyor.engine.kv_offload import KVOffloadConfig
 from conveyor.engine.model.llama import ARCHITECTURES
 from conveyor.engine.model.parallel import check_shardable
 from conveyor.engine.model.rotary import check_rope
@@ -103,6 +104,8 @@ class EngineConfig:
     # a new request's likely output length until 16 requests have finished (engine/core/output_lengths.py): on a cold
     # replica, admission charges a request's output min(max_tokens, this), not an unset max_tokens
     cold_output_tokens: int = 256
+    # lower KV tiers for the prefix cache: {host_gib, disk_path, disk_gib} (engine/kv_offload.py); None: none
+    kv_offload: KVOffloadConfig | None = None
     seed: int = 0
     # speculative decoding: a SpeculativeConfig or a dict of its fields ({method: ngram, num_speculative_tokens: 4});
     # None: off
@@ -159,6 +162,9 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         self._check_speculative()
+        self.kv_offload = KVOffloadConfig.of(self.kv_offload)
+        if self.kv_offload is not None and not self.enable_prefix_caching:
+            _fail("kv_offload", "needs enable_prefix_caching (its tiers hold prefix-cached blocks)")
         if not isinstance(self.model_runner_cls, str) or self.model_runner_cls.count(":") != 1:
             _fail("model_runner_cls", f"must be 'module:Class', got {self.model_runner_cls!r}")
         if self.device == "auto":
@@ -247,7 +253,10 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def engine_options(self) -> dict:
+        """The fields as plain values (JSON): what rebuilds this config in another process."""
         options = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
         if self.speculative is not None:
             options["speculative"] = asdict(self.speculative)  # plain JSON for the core process
+        if self.kv_offload is not None:
+            options["kv_offload"] = self.kv_offload.to_dict()
         return options

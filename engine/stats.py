@@ -49,6 +49,14 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    # the lower KV tiers (engine/core/kv_tiers.py), by tier name: blocks loaded back (hits), written, held now
+    kv_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_tier_stored: dict[str, int] = field(default_factory=dict)
+    kv_tier_blocks: dict[str, int] = field(default_factory=dict)
+    kv_tier_block_bytes: int = 0
+    kv_tier_load_s: float = 0.0  # cumulative time of the steps' copies before their forwards (loads)
+    kv_tier_loads: int = 0  # cumulative blocks loaded
+    kv_tier_load_cost: float = 0.0  # a block's load time over its prefill time (0: no tier)
     timestamp: float = field(default_factory=time.time)
 
     @property

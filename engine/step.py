@@ -30,6 +30,18 @@ class ScheduledChunk:
     lora_slot: int = -1  # the adapter slot its tokens run with (-1: the base model)
 
 
+KVCopy = tuple[int, int, int, int]  # (source tier, slot, destination tier, slot); tier 0 is the pool (slot: block id)
+
+
+@dataclass
+class KVTransfer:
+    """A step's copies between the pool and the lower KV tiers (engine/core/kv_tiers.py), each list in order."""
+
+    before: list[KVCopy]  # before the step's forward: stores of blocks the pool evicts now, and loads
+    after: list[KVCopy]  # beside the forward, on the runner's copy thread; done before the next step's copies
+    num_loads: int = 0
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -41,6 +53,7 @@ class SchedulerOutput:
     # speculative decoding: a request's draft tokens, which its chunk carries after its last token
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # adapters to load into slots first
+    kv_transfer: KVTransfer | None = None
 
     @cached_property
     def num_tokens(self) -> int:
@@ -55,3 +68,4 @@ class ModelRunnerOutput:
     logprobs: list[dict[int, float] | None]
     # speculative decoding: a drafting request's accepted draft tokens, which come before its entry in token_ids
     accepted: dict[str, list[int]] = field(default_factory=dict)
+    kv_load_s: float = 0.0  # time the step's copies before its forward took (rank 0)

@@ -1,14 +1,16 @@
 """Paged KV-cache bookkeeping: a block pool with reference counts, an LRU of reusable cached blocks,
-per-request block tables, prefix hashes and CPU swap slots. Holds ids only; the tensors live in the
-model runner."""
+per-request block tables, prefix hashes, CPU swap slots and the lower KV tiers' index (kv_tiers.py). Holds
+ids only; the tensors live in the model runner."""
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from conveyor.engine.core.kv_events import KVEventLog, KVEvents
+from conveyor.engine.core.kv_tiers import KVTiers
 from conveyor.engine.core.prefix_hash import block_hash
 from conveyor.engine.core.sequence import Sequence
 from conveyor.engine.stats import cdiv
+from conveyor.engine.step import KVTransfer
 
 
 @dataclass(eq=False)
@@ -27,6 +29,8 @@ class BlockPool:
         self.free_cached: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[bytes, Block] = {}
         self.kv_events = KVEventLog(max(1 << 16, 4 * num_blocks))
+        self.tiers: KVTiers | None = None  # set: cached blocks are stored there as they go idle or are evicted
+        self.idle: list[Block] = []  # cached blocks whose ref count fell to 0 since the tiers last looked
 
     @property
     def num_free(self) -> int:
@@ -37,6 +41,8 @@ class BlockPool:
         for _ in range(n):
             queue = self.free_plain if self.free_plain else self.free_cached
             _, block = queue.popitem(last=False)
+            if self.tiers is not None and block.hash is not None:
+                self.tiers.store(block.hash, block.block_id, before_forward=True)
             self.unregister(block)
             block.ref_count = 1
             out.append(block)
@@ -53,6 +59,8 @@ class BlockPool:
             b.ref_count -= 1
             if b.ref_count == 0:
                 (self.free_cached if b.hash is not None else self.free_plain)[b.block_id] = b
+                if self.tiers is not None and b.hash is not None:
+                    self.idle.append(b)
 
     def unregister(self, block: Block) -> None:
         if block.hash is not None and self.cached.get(block.hash) is block:
@@ -68,10 +76,18 @@ class BlockPool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_swap_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_swap_blocks: int = 0,
+        tiers: KVTiers | None = None,
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.tiers = self.pool.tiers = tiers if enable_prefix_caching else None
         self.tables: dict[str, list[Block]] = {}
         self.hashes: dict[str, list[bytes]] = {}
         self.num_registered: dict[str, int] = {}
@@ -112,14 +128,32 @@ class BlockManager:
             blocks.pop()
         return blocks
 
+    def lower_prefix(self, seq: Sequence, prefix: list[Block]) -> list[bytes]:
+        """The keys after `prefix` (seq's cached run in the pool) that the lower tiers hold, leaving >= 1 token
+        to compute: their blocks are loaded back instead of computed."""
+        if self.tiers is None:
+            return []
+        hashes, tiers = self._hashes(seq), self.tiers
+        end = len(prefix)
+        while end < len(hashes) and hashes[end] in tiers:
+            end += 1
+        end = min(end, (seq.num_tokens - 1) // self.block_size)
+        return hashes[len(prefix) : max(end, len(prefix))]
+
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, prefix: list[Block] = (), reserve: int = 0
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        prefix: list[Block] = (),
+        reserve: int = 0,
+        loads: list[bytes] = (),
     ) -> list[int] | None:
-        """Grow seq's table to hold its computed tokens (+ prefix) plus num_new_tokens.
-        Returns the block ids appended to the table, or None (nothing changed) if they don't fit."""
+        """Grow seq's table to hold its computed tokens (+ prefix, + the blocks of `loads`, keys the lower tiers
+        copy back) plus num_new_tokens. Returns the block ids appended to the table, or None (nothing changed)
+        if they don't fit."""
         table = self.tables.get(seq.request_id, [])
-        computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        if not prefix and computed + num_new_tokens <= len(table) * self.block_size:  # fits its last block
+        computed = seq.num_computed_tokens + (len(prefix) + len(loads)) * self.block_size
+        if not prefix and not loads and computed + num_new_tokens <= len(table) * self.block_size:
             num_full = (computed + num_new_tokens) // self.block_size
             if self.caching and num_full > self.num_registered.get(seq.request_id, 0):
                 self._register(seq, table, num_full)
@@ -129,7 +163,13 @@ class BlockManager:
         if num_new + reused_free > self.pool.num_free - reserve:
             return None
         self.pool.touch(list(prefix))
+        if loads:  # the blocks evicted for them are stored without taking their slots
+            self.tiers.held = set(loads)
         added = list(prefix) + self.pool.allocate(max(num_new, 0))
+        if loads:
+            self.tiers.held = set()
+            for key, block in zip(loads, added[len(prefix) :]):
+                self.tiers.load(key, block.block_id)
         table = self.tables.setdefault(seq.request_id, table)
         table.extend(added)
         if self.caching:
@@ -168,6 +208,18 @@ class BlockManager:
             del table[keep:]
         if self.caching:
             self._register(seq, table, seq.num_computed_tokens // self.block_size)
+
+    def take_transfer(self) -> KVTransfer | None:
+        """The step's tier copies: stores of the cached blocks that went idle (if no tier holds their key yet),
+        after the ones planned while scheduling."""
+        tiers = self.tiers
+        if tiers is None:
+            return None
+        for b in self.pool.idle:
+            if b.ref_count == 0 and b.hash is not None:
+                tiers.store(b.hash, b.block_id, before_forward=False)
+        self.pool.idle.clear()
+        return tiers.take()
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
         """Keys stored/evicted since the last drain (thread-safe); the first drain lists every cached key."""

@@ -7,19 +7,22 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
+from conveyor.engine.core.kv_tiers import KVTiers, LoadCost
 from conveyor.engine.core.messages import AddRequest, CoreOutput
 from conveyor.engine.core.output_lengths import OutputLengths
 from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.step_trace import StepTrace
 from conveyor.engine.execution.executor import make_executor
+from conveyor.engine.model.llama import head_dim_of
 from conveyor.engine.stats import EngineStats
-from conveyor.engine.step import SchedulerOutput
+from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from conveyor.engine.core.structured_output import StructuredOutputManager
@@ -36,9 +39,15 @@ class EngineCore:
         if self.executor.num_blocks < 1:
             raise ValueError("EngineConfig.kv_cache_memory leaves no room for a single KV block")
         config.fit_max_model_len(self.executor.num_blocks)
+        tiers = KVTiers(self.executor.kv_tiers) if self.executor.kv_tiers else None
         self.block_manager = BlockManager(
-            self.executor.num_blocks, config.block_size, config.enable_prefix_caching, self.executor.num_swap_blocks
+            self.executor.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.executor.num_swap_blocks,
+            tiers,
         )
+        self.load_cost = LoadCost(config.block_size)
         self.scheduler = make_scheduler(config, self.block_manager, eos_token_ids)
         self.scheduler.runner_batch = getattr(getattr(self.executor, "runner", None), "batch", None)
         self.tokenizer = tokenizer
@@ -134,10 +143,13 @@ class EngineCore:
         self.step_trace.record(so, self.scheduler, self.block_manager, start, ro)
         now = time.monotonic()
         changed = self.scheduler.update(so, ro, now)
-        self.busy_time_s += time.perf_counter() - start
+        step_s = time.perf_counter() - start
+        self.busy_time_s += step_s
         sampled = len(ro.token_ids) + sum(map(len, so.draft_token_ids.values()))
         self.num_decode_tokens += len(ro.token_ids) + sum(map(len, ro.accepted.values()))
         self.num_prefill_tokens += so.num_tokens - sampled
+        if so.kv_transfer is not None or self.block_manager.tiers is not None:
+            self._observe_load_cost(so, ro, step_s, so.num_tokens - sampled)
         if so.grammar is not None:
             for rid in self._structured.accept(ro.req_ids, ro.token_ids):
                 seq = self.scheduler.requests.get(rid)
@@ -146,6 +158,13 @@ class EngineCore:
         logprobs = dict(zip(ro.req_ids, ro.logprobs)) if ro.logprobs.count(None) < len(ro.logprobs) else {}
         return failed + [self._output(seq, logprobs, now) for seq in changed]
 
+    def _observe_load_cost(
+        self, so: SchedulerOutput, ro: ModelRunnerOutput, step_s: float, prefill_tokens: int
+    ) -> None:
+        num_loads = so.kv_transfer.num_loads if so.kv_transfer is not None else 0
+        self.load_cost.observe(step_s, prefill_tokens, ro.kv_load_s, num_loads)
+        self.scheduler.load_cost = self.load_cost.ratio
+
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[CoreOutput]:
         """A model step that raised fails the requests it ran (and, if it swapped, the swapped ones, whose
         copies never happened); the blocks its chunks published are taken back, since their KV was never
@@ -153,6 +172,15 @@ class EngineCore:
         log.exception("engine step failed; failing its %d requests", len(so.chunks))
         self.executor.check_health()
         message = f"model step failed: {error!r}"
+        if so.kv_transfer is not None:  # the loads may not have run: their blocks must not serve their keys
+            pool = self.block_manager.pool
+            for _, _, dst_tier, block_id in so.kv_transfer.before:
+                block = pool.blocks[block_id]
+                if dst_tier == 0 and block.hash is not None:
+                    if block.ref_count == 0:
+                        del pool.free_cached[block_id]
+                        pool.free_plain[block_id] = block
+                    pool.unregister(block)
         victims = [self.scheduler.requests.get(c.req_id) for c in so.chunks]
         for c, seq in zip(so.chunks, victims):
             if seq is not None:
@@ -223,6 +251,7 @@ class EngineCore:
             num_growth_blocks=growth,
             likely_output_tokens=self.output_lengths.typical(),
             **self._spec_counters(),
+            **self.tier_stats(),
             lora_adapters=s.lora_slots.names() if s.lora_slots is not None else [],
             num_lora_loads=s.lora_slots.num_loads if s.lora_slots is not None else 0,
         )
@@ -237,6 +266,25 @@ class EngineCore:
             "spec_decode_num_draft_tokens": c.num_draft_tokens,
             "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(c.accepted_per_pos),
+        }
+
+    def tier_stats(self) -> dict:
+        tiers = self.block_manager.tiers
+        if tiers is None:
+            return {}
+        hf, cost = self.config.hf_config, self.load_cost
+        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        block_bytes = (
+            2 * hf.num_hidden_layers * self.config.block_size * hf.num_key_value_heads * head_dim_of(hf) * elem
+        )
+        return {
+            "kv_tier_hits": {t.name: t.stats.hits for t in tiers.tiers},
+            "kv_tier_stored": {t.name: t.stats.stored for t in tiers.tiers},
+            "kv_tier_blocks": {t.name: len(t.lru) for t in tiers.tiers},
+            "kv_tier_block_bytes": block_bytes,
+            "kv_tier_load_s": cost.load_s,
+            "kv_tier_loads": cost.num_loads,
+            "kv_tier_load_cost": cost.ratio,
         }
 
     def tokens_left(self, seq: Sequence) -> int:

@@ -1,5 +1,5 @@
-"""Debug-mode consistency checks of the KV-cache bookkeeping (`EngineConfig(check_invariants=True)`), run
-by the scheduler after every step's update. Each check names the structure and block that broke."""
+"""Debug-mode consistency checks of the KV-cache bookkeeping (pool, tables, swap slots, lower tiers;
+`EngineConfig(check_invariants=True)`), run by the scheduler after every step's update. Each check names the structure and block that broke."""
 
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -167,8 +167,23 @@ def check_batch(sched: "Scheduler", batch: "PersistentBatch") -> None:
             _fail(f"request {seq.request_id!r}: persistent batch row {row} holds blocks {got}, its table {want}")
 
 
+def check_tiers(kv: "BlockManager") -> None:
+    """Each lower tier's slots are used or free exactly once, the index places each key in the one tier that
+    holds it, and every planned copy went out with its step (a copy left behind would land after its slot
+    was reused)."""
+    tiers = kv.tiers
+    if tiers is None:
+        return
+    problem = tiers.check()
+    if problem is not None:
+        _fail(problem)
+    if tiers.before or tiers.after:
+        _fail(f"{len(tiers.before) + len(tiers.after)} tier copies planned but not handed to the model runner")
+
+
 def check_invariants(sched: "Scheduler", batch: "PersistentBatch | None" = None) -> None:
     check_pool(sched.kv)
+    check_tiers(sched.kv)
     check_tables(sched)
     if batch is not None:
         check_batch(sched, batch)

@@ -37,6 +37,7 @@ class Scheduler:
         self.prefill_left = 0
         self.spec = SpecController(config.speculative) if config.speculative is not None else None
         self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
+        self.load_cost = 0.1  # a tier block's load time over its prefill time; the engine core measures it
 
     def add(self, seq: Sequence) -> None:
         seq.enqueued_step = self.num_steps
@@ -78,7 +79,16 @@ class Scheduler:
         out.chunks = list(chunks.values())
         if self.lora_slots is not None:
             self.lora_slots.assign(out, self.requests, self.running)
+        out.kv_transfer = self.kv.take_transfer()
         return out
+
+    def load_charge(self, num_blocks: int) -> int:
+        """Budget tokens that loading num_blocks from the lower tiers costs: a block's load time over its prefill
+        time (measured by the engine core, `load_cost`) times its tokens, at most half a step's budget."""
+        if not num_blocks:
+            return 0
+        tokens = num_blocks * self.kv.block_size * self.load_cost
+        return min(max(1, round(tokens)), self.config.max_num_batched_tokens // 2)
 
     def _schedule_step(
         self, running: list[Sequence], out: SchedulerOutput, chunks: dict[str, ScheduledChunk]
@@ -187,8 +197,10 @@ class Scheduler:
                 continue
             swapped = seq.status is SequenceStatus.SWAPPED
             prefix = [] if swapped else self.kv.cached_prefix(seq)
-            cached = seq.num_computed_tokens if swapped else len(prefix) * self.kv.block_size
-            n = self._chunk_from(seq, cached, budget, partials)
+            loads = [] if swapped else self.kv.lower_prefix(seq, prefix)
+            cached = seq.num_computed_tokens if swapped else (len(prefix) + len(loads)) * self.kv.block_size
+            charge = self.load_charge(len(loads))
+            n = self._chunk_from(seq, cached, budget - charge, partials) if budget > charge else 0
             if n == 0:
                 capped.add(seq)
                 continue
@@ -196,7 +208,7 @@ class Scheduler:
                 pairs = self.kv.swap_in(seq, n, self._reserve())
                 ids = None if pairs is None else self.kv.allocate(seq, n)
             else:
-                ids = self.kv.allocate(seq, n, prefix, self._reserve())
+                ids = self.kv.allocate(seq, n, prefix, self._reserve(), loads)
             if ids is None:
                 if self._make_room():
                     continue
@@ -213,7 +225,7 @@ class Scheduler:
                 stop_ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
                 out.new_requests.append(NewRequestData(seq.request_id, seq.prompt_token_ids, seq.params, stop_ids))
             self._start(seq, chunks, n, ids)
-            budget, partials = budget - n, partials + (n < seq.num_tokens - cached)
+            budget, partials = budget - n - charge, partials + (n < seq.num_tokens - cached)
             self.prefill_left -= n
         return budget, partials
 

@@ -23,9 +23,21 @@ def allocate_kv_cache(runner: "ModelRunner", num_blocks: int) -> int:
     return cpu.shape[2] if cpu.dim() > 2 else 0
 
 
+def allocate_kv_tiers(runner: "ModelRunner") -> list[tuple[str, int]]:
+    """Allocates the runner's lower KV tiers (host, disk); returns their (name, slots)."""
+    return runner.allocate_kv_tiers()
+
+
+def close_kv_tiers(runner: "ModelRunner") -> None:
+    """Waits for the runner's tier copies and removes its disk tier's file."""
+    if runner.tier_store is not None:
+        runner.tier_store.close()
+
+
 class Executor(Protocol):
     num_blocks: int
     num_swap_blocks: int
+    kv_tiers: list[tuple[str, int]]  # the lower KV tiers' (name, slots), engine/kv_offload.py
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -39,6 +51,7 @@ class LocalExecutor:
         self.runner = runner_class(config)(config)
         self.num_blocks = self.runner.available_blocks()
         self.num_swap_blocks = allocate_kv_cache(self.runner, self.num_blocks)
+        self.kv_tiers = allocate_kv_tiers(self.runner)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
@@ -47,7 +60,7 @@ class LocalExecutor:
         pass
 
     def shutdown(self) -> None:
-        pass
+        close_kv_tiers(self.runner)
 
 
 def make_executor(config: EngineConfig) -> Executor:

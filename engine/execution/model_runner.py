@@ -3,6 +3,7 @@
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -14,6 +15,7 @@ from conveyor.engine.checkpoints.loader import load_weights
 from conveyor.engine.checkpoints.lora import read_adapter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.host_memory import keep_freed_memory
+from conveyor.engine.execution.kv_tier_store import KVTierStore
 from conveyor.engine.execution.persistent_batch import PersistentBatch
 from conveyor.engine.execution.rejection_sampler import verify
 from conveyor.engine.execution.sampler import SamplingBatch, add_constraints, sample
@@ -100,6 +102,7 @@ class ModelRunner:
         self.biased: set[str] = set()  # requests with a logit_bias
         self.kv_cache = torch.empty(0)
         self.cpu_cache = torch.empty(0)
+        self.tier_store: KVTierStore | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -144,6 +147,18 @@ class ModelRunner:
                 (*shape[:2], swap_blocks, *shape[3:]), dtype=self.config.torch_dtype, pin_memory=pin
             )
 
+    def allocate_kv_tiers(self) -> list[tuple[str, int]]:
+        """The lower KV tiers' memory on this rank (its shard of every block); returns (tier, slots) from the
+        top tier down, the same on every rank."""
+        offload = self.config.kv_offload
+        if offload is None:
+            return []
+        tiers = offload.tier_slots(self.block_bytes * self.config.tensor_parallel_size)
+        if self.tier_store is not None:
+            self.tier_store.close()
+        self.tier_store = KVTierStore(self.kv_cache, tiers, offload.disk_path, self.rank) if tiers else None
+        return tiers
+
     def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:
             return
@@ -178,8 +193,9 @@ class ModelRunner:
         self.swap_blocks(so.swap_in, to_cpu=False)
         for slot, lora in so.lora_loads:
             self.lora.load(slot, read_adapter(lora.path, self.config.hf_config, self.config.max_lora_rank))
+        load_s = self._transfer(so) if self.tier_store is not None else 0.0
         if not so.chunks:
-            return ModelRunnerOutput([], [], []) if self.rank == 0 else None
+            return ModelRunnerOutput([], [], [], kv_load_s=load_s) if self.rank == 0 else None
         chunks = sorted(so.chunks, key=_is_prefill)
         for c in chunks:
             if c.new_block_ids or c.reset_blocks:
@@ -203,7 +219,7 @@ class ModelRunner:
             for rid, tok in zip(sampled, tokens):
                 if rid in self.special:
                     self.requests[rid].output_token_ids.append(tok)
-        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens), accepted)
+        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens), accepted, kv_load_s=load_s)
 
     def _verify(
         self,
@@ -234,6 +250,22 @@ class ModelRunner:
             self.batch.num_blocks[self.batch.rows[rid]] = cdiv(starts[rid] + 1 + len(accepted[rid]), self.block_size)
             i += len(d) + 1
         return out_ids, out_tokens, out_lp if logprobs else None, accepted
+
+    def _transfer(self, so: SchedulerOutput) -> float:
+        """The step's tier copies: the last step's background ones finish, this step's `before` ones run here
+        (timed), its `after` ones start beside the forward."""
+        store = self.tier_store
+        store.wait()
+        t = so.kv_transfer
+        if t is None:
+            return 0.0
+        start = time.perf_counter()
+        store.run(t.before)
+        if self.device.type == "cuda" and t.before:
+            torch.cuda.current_stream().synchronize()
+        elapsed = time.perf_counter() - start
+        store.start(t.after)
+        return elapsed
 
     def _run(
         self,

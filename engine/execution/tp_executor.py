@@ -20,6 +20,7 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.execution.executor import allocate_kv_tiers
 from conveyor.engine.execution.worker import RankInfo, StepReply, Worker, pack, recv_exact, recv_msg
 from conveyor.engine.model.parallel import check_shardable
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
@@ -111,6 +112,7 @@ class TPExecutor:
         self.num_swap_blocks = min(
             self._get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers], "allocate the KV cache")
         )
+        self.kv_tiers = self._get([w.run.remote(allocate_kv_tiers) for w in self.workers], "allocate the KV tiers")[0]
         self._connect()
         log.info(
             "tensor parallel: %d ranks (pids %s) on %s, %d KV blocks",

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.execution.executor import allocate_kv_cache, runner_class
+from conveyor.engine.execution.executor import allocate_kv_cache, close_kv_tiers, runner_class
 
 HEADER = struct.Struct("<Q")
 
@@ -156,5 +156,7 @@ class Worker:
                 pass
             self.thread.join(timeout=5)
             self.sock.close()
+        if self.runner is not None:
+            close_kv_tiers(self.runner)
         if dist.is_initialized():
             dist.destroy_process_group()

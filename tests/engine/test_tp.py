@@ -191,3 +191,22 @@ def test_idle_worker_death_is_reported_by_health_check() -> None:
             llm.generate("def", use_tqdm=False)
     finally:
         engine.shutdown()
+
+
+def test_tp2_kv_tier_loads_each_ranks_shard_back() -> None:
+    """Each rank keeps its shard of the host tier: a prefix evicted from the pool and loaded back at TP=2
+    gives the tokens of TP=1 without a tier."""
+    model = "demo:qwen3-tiny"
+    base = [[(7 * c + i) % 200 + 10 for i in range(40)] for c in range(3)]
+    prompts = base + [p + [11, 12, 13] for p in base]
+    options = dict(num_blocks=10, block_size=8, enable_prefix_caching=True)
+    want = [engine_greedy(model, [p], MAX_TOKENS, **options)[0][0] for p in prompts]
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2, kv_offload={"host_gib": 0.001}, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert got == want
+        assert llm.engine.stats().kv_tier_hits["host"] > 0
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()

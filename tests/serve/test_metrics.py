@@ -350,3 +350,20 @@ def test_bench_serve_end_to_end_agrees_with_the_metrics(app: App, tmp_path: Path
     assert delta(after, "conveyor:generation_tokens_total") == s["output_tokens"]
     assert delta(after, "conveyor:prompt_tokens_total") == s["prompt_tokens"] == 6 * 40
     assert delta(after, "conveyor:prefix_cache_hits_total") > 0
+
+
+def test_kv_tier_metrics_follow_the_engine_tiers() -> None:
+    llm = LLM("demo:tiny", dtype="float32", num_blocks=6, block_size=8, kv_offload={"host_gib": 0.001})
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
+    prompts = [list(range(10 + 50 * i, 50 + 50 * i)) for i in range(3)]
+    for _ in range(2):  # three 40-token prompts in a 6-block pool: the second round loads from the host tier
+        for p in prompts:
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+    stats, m = llm.engine.stats(), ReplicaMetrics("demo:tiny", "r0")
+    s = samples(render([m.dump(stats)]))
+    hits, size = stats.kv_tier_hits["host"], stats.kv_tier_block_bytes
+    assert hits > 0 and size > 0 and stats.kv_tier_loads == hits and 0 < stats.kv_tier_load_cost <= 1
+    assert total(s, "conveyor:kv_tier_hits_total", tier="host") == hits
+    assert total(s, "conveyor:kv_tier_bytes_total", tier="host", op="loaded") == hits * size
+    assert total(s, "conveyor:kv_tier_bytes_total", tier="host", op="stored") == stats.kv_tier_stored["host"] * size
+    assert total(s, "conveyor:kv_tier_loads_total") == hits and total(s, "conveyor:kv_tier_load_seconds_total") > 0
