@@ -12,7 +12,8 @@ from transformers import PreTrainedTokenizerBase
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
-from conveyor.engine.core.messages import AddRequest, CoreOutput
+from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, export_handoff, import_handoff
+from conveyor.engine.core.messages import AddRequest, CoreOutput, params_from_wire
 from conveyor.engine.core.output_lengths import OutputLengths
 from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
@@ -74,6 +75,10 @@ class EngineCore:
         seq = Sequence(rid, list(req.prompt_token_ids), req.params, priority=req.priority, cache_salt=req.cache_salt)
         if req.arrival_time is not None:
             seq.arrival_time = req.arrival_time
+        if req.prefill_only:
+            if req.params.structured is not None:
+                raise ValueError("prefill_only: structured outputs are not handed off")
+            seq.prefill_only = True
         if req.params.structured is not None:
             self.compiling[rid] = (seq, self.structured.compile(req.params.structured))
         else:
@@ -141,7 +146,26 @@ class EngineCore:
                 if seq is not None:
                     self.scheduler.stop(seq, "stop")
         logprobs = dict(zip(ro.req_ids, ro.logprobs)) if ro.logprobs.count(None) < len(ro.logprobs) else {}
-        return failed + [self._output(seq, logprobs, now) for seq in changed]
+        handoffs = {s.request_id: self._hand_off(s) for s in changed if s.prefill_only and not s.is_finished}
+        outputs = [self._output(seq, logprobs, now) for seq in changed]
+        for out in outputs if handoffs else ():
+            out.kv_handoff = handoffs.get(out.request_id)
+        return failed + outputs
+
+    def _hand_off(self, seq: Sequence) -> KVHandoff:
+        """A prefill-only request has its first token: its KV leaves with it and its blocks are freed."""
+        handoff = export_handoff(self, seq)
+        self.scheduler.finish(seq, HANDOFF)
+        return handoff
+
+    def import_request(self, request_id: str, handoff: KVHandoff) -> None:
+        """Continues a request another engine prefilled (kv_handoff.import_handoff); its first output reports
+        only the tokens after the handoff's."""
+        if isinstance(handoff.params, dict):
+            handoff.params = params_from_wire(handoff.params)
+        seq = import_handoff(self, handoff, request_id)
+        self.reported[request_id] = seq.num_output_tokens
+        self.num_added += 1
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[CoreOutput]:
         """A model step that raised fails the requests it ran (and, if it swapped, the swapped ones, whose
