@@ -25,10 +25,10 @@ class Disaggregation(BaseModel):
     prefill replica's node). decode_engine: engine options of the decode replicas over `engine`."""
 
     model_config = ConfigDict(extra="forbid")
-    prefill_replicas: int = Field(1, ge=1)
-    decode_replicas: int = Field(1, ge=1)
-    transfer: Literal["object_store"] = "object_store"
-    decode_engine: dict[str, Any] = {}
+    prefill_replicas: int = Field(1, ge=1)  # replicas that compute prompts' KV and first tokens (admission's)
+    decode_replicas: int = Field(1, ge=1)  # replicas that import the KV and stream the rest (routed by KV headroom)
+    transfer: Literal["object_store"] = "object_store"  # Ray's object store, fetched from the prefill replica's node
+    decode_engine: dict[str, Any] = {}  # engine options of the decode replicas over `args.engine`
 
 
 def can_hand_off(req: GenerateRequest) -> bool:
