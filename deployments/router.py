@@ -444,6 +444,8 @@ class Router:
             return error_response(self.drain.refusal())
         try:
             await asyncio.wait_for(self.replica.check_health.remote(), timeout=10)
+            if self.decode is not None:
+                await asyncio.wait_for(self.decode.check_health.remote(), timeout=10)
         except Exception as e:
             return error_response(APIError(f"unhealthy: {cause(e)}", status=503, type="service_unavailable"))
         return Response(status_code=200)

@@ -69,6 +69,7 @@ def test_completion_equals_colocated(app: App, prompt: str) -> None:
 
 
 def test_stream_is_one_stream(app: App) -> None:
+    assert app.http.get("/health").status_code == 200
     stream = client(app).completions.create(
         model="demo:tiny", prompt=LONG, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
