@@ -47,6 +47,7 @@ class EngineCore:
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
         self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
+        self.prefill_only: set[str] = set()  # unfinished prefill-only requests (kv_handoff.py)
         self.num_finished = self.num_aborted = self.num_added = 0
         self.output_lengths = OutputLengths(prior=config.cold_output_tokens)
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
@@ -79,6 +80,7 @@ class EngineCore:
             if req.params.structured is not None:
                 raise ValueError("prefill_only: structured outputs are not handed off")
             seq.prefill_only = True
+            self.prefill_only.add(rid)
         if req.params.structured is not None:
             self.compiling[rid] = (seq, self.structured.compile(req.params.structured))
         else:
@@ -146,7 +148,9 @@ class EngineCore:
                 if seq is not None:
                     self.scheduler.stop(seq, "stop")
         logprobs = dict(zip(ro.req_ids, ro.logprobs)) if ro.logprobs.count(None) < len(ro.logprobs) else {}
-        handoffs = {s.request_id: self._hand_off(s) for s in changed if s.prefill_only and not s.is_finished}
+        handoffs = {}
+        if self.prefill_only:
+            handoffs = {s.request_id: self._hand_off(s) for s in changed if s.prefill_only and not s.is_finished}
         outputs = [self._output(seq, logprobs, now) for seq in changed]
         for out in outputs if handoffs else ():
             out.kv_handoff = handoffs.get(out.request_id)
@@ -193,6 +197,7 @@ class EngineCore:
         lp = [logprobs.get(rid)] if new and seq.params.logprobs is not None else None
         if seq.status is SequenceStatus.FINISHED:
             self.reported.pop(rid, None)
+            self.prefill_only.discard(rid)
             self.num_finished += 1
             self.num_aborted += seq.finish_reason == "abort"
             if seq.finish_reason in ("stop", "length"):
