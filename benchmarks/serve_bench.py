@@ -269,6 +269,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-serve.json"))
     p.add_argument("--plot", type=Path, default=Path("bench-serve.png"))
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--disaggregated",
+        default=None,
+        metavar="P,D",
+        help="deploy --model locally as P+D colocated replicas, then as P prefill + D decode replicas, and compare",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -280,6 +286,10 @@ def main(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be > 0")
     parse_slo(args.slo)
+    if args.disaggregated:
+        from benchmarks.disaggregated import main as compare  # deploys apps: Ray Serve and the engine
+
+        return compare(args)
     result = asyncio.run(run(args))
     print_summary(result["summary"])
     args.out.write_text(json.dumps(result, indent=1))

@@ -14,6 +14,7 @@ from conveyor.cluster.admission import AdmissionConfig
 from conveyor.cluster.admission_actor import AdmissionActor
 from conveyor.cluster.autoscaling import KVScalingConfig
 from conveyor.cluster.routing import RouterConfig
+from conveyor.deployments.disaggregation import DECODE_ROUTER, Disaggregation
 from conveyor.deployments.http_guard import GuardConfig
 from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
 from conveyor.deployments.protocol import LoRAModule
@@ -103,21 +104,14 @@ class AppArgs(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = "/"
+    # prefill and decode replicas instead of num_replicas colocated ones (deployments/disaggregation.py)
+    disaggregation: Disaggregation | None = None
 
     @model_validator(mode="after")
     def _check_engine(self) -> "AppArgs":
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision", "hf_config", "model_path"}
-        unknown = sorted(set(self.engine) - known)
-        if unknown:
-            raise ValueError(f"engine.{unknown[0]}: unknown engine option (known: {', '.join(sorted(known))})")
-        try:
-            EngineConfig(**self.engine_config())
-        except (ValueError, TypeError) as e:
-            m = re.match(r"EngineConfig\.(\w+) (.*)", str(e), re.S)
-            if m and m.group(1) not in ("model", "revision"):
-                raise ValueError(f"engine.{m.group(1)}: {m.group(2)}") from None
-            message = m.group(2) if m else str(e)
-            raise ValueError(message if re.match(r"(model|revision):", message) else f"model: {message}") from None
+        self._check_engine_options("engine", self.engine)
+        if self.disaggregation is not None:
+            self._check_disaggregation(self.disaggregation)
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser: unknown parser {self.tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})"
@@ -140,6 +134,28 @@ class AppArgs(BaseModel):
         if self.request_router is not None:
             check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
         return self
+
+    def _check_engine_options(self, name: str, options: dict[str, Any]) -> None:
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision", "hf_config", "model_path"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"{name}.{unknown[0]}: unknown engine option (known: {', '.join(sorted(known))})")
+        try:
+            EngineConfig(**{**self.engine, **options, "model": self.model, "revision": self.revision})
+        except (ValueError, TypeError) as e:
+            m = re.match(r"EngineConfig\.(\w+) (.*)", str(e), re.S)
+            if m and m.group(1) not in ("model", "revision"):
+                raise ValueError(f"{name}.{m.group(1)}: {m.group(2)}") from None
+            message = m.group(2) if m else str(e)
+            raise ValueError(message if re.match(r"(model|revision):", message) else f"model: {message}") from None
+
+    def _check_disaggregation(self, d: Disaggregation) -> None:
+        self._check_engine_options("disaggregation.decode_engine", d.decode_engine)
+        for name, options in (("engine", self.engine), ("disaggregation.decode_engine", d.decode_engine)):
+            if int(options.get("tensor_parallel_size", 1)) != 1:
+                raise ValueError(f"{name}.tensor_parallel_size: disaggregation hands off KV at tensor_parallel_size 1")
+        if self.autoscaling is not None or self.kv_autoscaling is not None:
+            raise ValueError("disaggregation: sets the replica counts; not with autoscaling or kv_autoscaling")
 
     def template_file(self) -> Path | None:
         """chat_template as a file: the name of a template shipped in deployments/chat_templates, or a path."""
@@ -245,6 +261,32 @@ def build_app(args: AppArgs) -> Application:
     router_resources = args.router_resources
     if router_resources is None:
         router_resources = dict(HEAD_PIN) if args.router_replicas == 1 else {}
+    decode = None
+    if args.disaggregation is not None:
+        d = args.disaggregation
+        from conveyor.deployments.disaggregated_replica import DisaggregatedReplica  # imports the engine
+
+        options = args.replica_options()
+        prefill_options = {**options, "name": "LLMPrefill", "num_replicas": d.prefill_replicas}
+        decode_options = {**options, "name": "LLMDecode", "num_replicas": d.decode_replicas}
+        decode_options.pop("deployment_actors", None)
+        if args.request_router is not None:
+            decode_options["request_router_config"] = RequestRouterConfig(
+                request_router_class="conveyor.cluster.routing:KVAwareRequestRouter",
+                request_router_kwargs={**args.request_router, **DECODE_ROUTER, "block_size": args.block_size},
+                request_routing_stats_period_s=args.request_routing_stats_period_s,
+                request_routing_stats_timeout_s=max(2.0, 4 * args.request_routing_stats_period_s),
+            )
+        decode_args = {
+            **replica_args,
+            "engine_args": {**args.engine_config(), **d.decode_engine},
+            "stats_push_s": 0.0,
+            "heartbeat_s": 0.0,
+        }
+        decode = DisaggregatedReplica.options(**decode_options).bind(**decode_args)
+        replica = DisaggregatedReplica.options(**prefill_options).bind(**replica_args)
+    else:
+        replica = LLMReplica.options(**args.replica_options()).bind(**replica_args)
     router = Router.options(
         num_replicas=args.router_replicas,
         ray_actor_options={
@@ -254,7 +296,7 @@ def build_app(args: AppArgs) -> Application:
         },
     )
     return router.bind(
-        LLMReplica.options(**args.replica_options()).bind(**replica_args),
+        replica,
         args.model,
         args.served_model_name,
         args.admission is not None,
@@ -264,6 +306,7 @@ def build_app(args: AppArgs) -> Application:
         args.tool_call_parser,
         GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
         [m.model_dump() for m in args.lora_modules],
+        decode=decode,
     )
 
 

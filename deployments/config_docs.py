@@ -189,6 +189,7 @@ def sections() -> tuple[Section, ...]:
     from conveyor.cluster.autoscaling import KVScalingConfig
     from conveyor.cluster.routing import RouterConfig
     from conveyor.deployments.app import AppArgs, KVAutoscaling
+    from conveyor.deployments.disaggregation import Disaggregation
     from conveyor.deployments.http_guard import GuardConfig
     from conveyor.engine.config import EngineConfig, SpeculativeConfig
 
@@ -199,6 +200,11 @@ def sections() -> tuple[Section, ...]:
             "given to `deployments.app.deploy`. An unknown or invalid field fails the deploy with a "
             "message naming it. `engine`, `admission`, `request_router` and `kv_autoscaling` take the "
             "types below; `autoscaling` is Ray Serve's own `AutoscalingConfig`.",
+        ),
+        Section(
+            Disaggregation,
+            "`args.disaggregation`: prefill/decode disaggregation (docs/disaggregation.md); it replaces "
+            "`num_replicas` and is refused with autoscaling or tensor_parallel_size > 1.",
         ),
         Section(
             KVAutoscaling,

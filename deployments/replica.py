@@ -139,6 +139,11 @@ class LLMReplica:
     def check_health(self) -> None:
         self.engine.check_health()
 
+    def _resume(self, request_id: str) -> tuple[dict[str, Any], int, int]:
+        """More engine.generate arguments for the request, and the text and tokens of it already sent: none here
+        (deployments/disaggregation.py continues requests handed off by a prefill replica)."""
+        return {}, 0, 0
+
     async def _pump(
         self,
         index: int,
@@ -152,7 +157,8 @@ class LLMReplica:
         cache_salt: str | None,
         lora: LoRARequest | None = None,
     ) -> None:
-        text_len, num_ids, finish = 0, 0, None
+        extra, text_len, num_ids = self._resume(request_id)
+        finish = None
         try:
             async for out in self.engine.generate(
                 prompt_token_ids=prompt,
@@ -163,6 +169,7 @@ class LLMReplica:
                 stream_interval=interval,
                 validated=True,
                 lora_request=lora,
+                **extra,
             ):
                 self.metrics.observe_output(out)
                 clock["arrival"] = min(clock.get("arrival", float("inf")), wall(out.metrics.arrival_time))

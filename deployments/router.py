@@ -3,7 +3,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -18,6 +18,7 @@ from conveyor.cluster.admission_actor import AdmissionClient
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
+from conveyor.deployments.disaggregation import can_hand_off, disaggregated_stream
 from conveyor.deployments.drain import Drain
 from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
 from conveyor.deployments.metrics import ResponseCounter, RouterMetrics
@@ -92,10 +93,12 @@ class Router:
         tool_call_parser: str = "hermes",
         guard: GuardConfig | None = None,
         lora_modules: list[dict[str, str]] | None = None,
+        decode: DeploymentHandle | None = None,
     ) -> None:
+        """decode: the decode replicas of a disaggregated app (`replica` then prefills: deployments/disaggregation.py)."""
         flush_at_warning()
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
-        self.replica = replica
+        self.replica, self.decode = replica, decode
         self.inbox = TokenInbox()
         self.model_name = served_model_name or model
         path = resolve_model(model, revision)
@@ -272,13 +275,20 @@ class Router:
             retry_after_s=d.retry_after_s,
         )
 
-    async def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
-        """The replica's chunks from one handle call: a stream's come over the token channel, a whole response
-        is the call's result. The call carries errors, cancellation and drain for both."""
+    def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
+        if self.decode is not None and can_hand_off(gen_req):
+            return disaggregated_stream(self, gen_req, hint, received_at)
+        return self.follow(
+            gen_req, lambda: self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
+        )
+
+    async def follow(self, gen_req: GenerateRequest, start: Callable[[], Any]) -> AsyncIterator[Chunk]:
+        """The replica's chunks from one handle call (`start()`, a generate_to call): a stream's come over the token
+        channel, a whole response is the call's result. The call carries errors, cancellation and drain for both."""
         if gen_req.stream:
             gen_req.reply_to = self.inbox.address
             queue = self.inbox.open(gen_req.request_id)
-        call = self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
+        call = start()
         chunks = follow(call, queue) if gen_req.stream else one(call)
         done = False
         self.drain.track(call)
@@ -487,6 +497,8 @@ class Router:
             return error_response(self.drain.refusal())
         try:
             await asyncio.wait_for(self.replica.check_health.remote(), timeout=10)
+            if self.decode is not None:
+                await asyncio.wait_for(self.decode.check_health.remote(), timeout=10)
         except Exception as e:
             return error_response(APIError(f"unhealthy: {cause(e)}", status=503, type="service_unavailable"))
         return Response(status_code=200)

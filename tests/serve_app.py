@@ -168,7 +168,8 @@ def serve_app(
         )
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 180, headers=headers)
-        replica = serve.get_deployment_handle("LLMReplica", app_name=name)
+        replica_name = "LLMPrefill" if args.get("disaggregation") else "LLMReplica"
+        replica = serve.get_deployment_handle(replica_name, app_name=name)
         yield App(url, name, replica, TEMP_DIRS[-1], dict(headers or {}))
     finally:
         serve.shutdown()

@@ -13,8 +13,9 @@ from transformers import PreTrainedTokenizerBase
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
+from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, export_handoff, import_handoff
 from conveyor.engine.core.kv_tiers import KVTiers, LoadCost
-from conveyor.engine.core.messages import AddRequest, CoreOutput
+from conveyor.engine.core.messages import AddRequest, CoreOutput, params_from_wire
 from conveyor.engine.core.output_lengths import OutputLengths
 from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
@@ -55,6 +56,7 @@ class EngineCore:
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
         self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
+        self.prefill_only: set[str] = set()  # unfinished prefill-only requests (kv_handoff.py)
         self.num_finished = self.num_aborted = self.num_added = 0
         self.output_lengths = OutputLengths(prior=config.cold_output_tokens)
         self.busy_time_s, self.num_prefill_tokens, self.num_decode_tokens = 0.0, 0, 0
@@ -85,6 +87,11 @@ class EngineCore:
         )
         if req.arrival_time is not None:
             seq.arrival_time = req.arrival_time
+        if req.prefill_only:
+            if req.params.structured is not None:
+                raise ValueError("prefill_only: structured outputs are not handed off")
+            seq.prefill_only = True
+            self.prefill_only.add(rid)
         if req.params.structured is not None:
             self.compiling[rid] = (seq, self.structured.compile(req.params.structured))
         else:
@@ -156,7 +163,28 @@ class EngineCore:
                 if seq is not None:
                     self.scheduler.stop(seq, "stop")
         logprobs = dict(zip(ro.req_ids, ro.logprobs)) if ro.logprobs.count(None) < len(ro.logprobs) else {}
-        return failed + [self._output(seq, logprobs, now) for seq in changed]
+        handoffs = {}
+        if self.prefill_only:
+            handoffs = {s.request_id: self._hand_off(s) for s in changed if s.prefill_only and not s.is_finished}
+        outputs = [self._output(seq, logprobs, now) for seq in changed]
+        for out in outputs if handoffs else ():
+            out.kv_handoff = handoffs.get(out.request_id)
+        return failed + outputs
+
+    def _hand_off(self, seq: Sequence) -> KVHandoff:
+        """A prefill-only request has its first token: its KV leaves with it and its blocks are freed."""
+        handoff = export_handoff(self, seq)
+        self.scheduler.finish(seq, HANDOFF)
+        return handoff
+
+    def import_request(self, request_id: str, handoff: KVHandoff) -> None:
+        """Continues a request another engine prefilled (kv_handoff.import_handoff); its first output reports
+        only the tokens after the handoff's."""
+        if isinstance(handoff.params, dict):
+            handoff.params = params_from_wire(handoff.params)
+        seq = import_handoff(self, handoff, request_id)
+        self.reported[request_id] = seq.num_output_tokens
+        self.num_added += 1
 
     def _observe_load_cost(
         self, so: SchedulerOutput, ro: ModelRunnerOutput, step_s: float, prefill_tokens: int
@@ -200,6 +228,7 @@ class EngineCore:
         lp = [logprobs.get(rid)] if new and seq.params.logprobs is not None else None
         if seq.status is SequenceStatus.FINISHED:
             self.reported.pop(rid, None)
+            self.prefill_only.discard(rid)
             self.num_finished += 1
             self.num_aborted += seq.finish_reason == "abort"
             if seq.finish_reason in ("stop", "length"):

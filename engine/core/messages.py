@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from conveyor.engine.core.kv_events import KVEvents
+from conveyor.engine.core.kv_handoff import KVHandoff
 from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams, StructuredParams
 from conveyor.engine.stats import EngineStats
@@ -33,6 +34,14 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True)
     arrival_time: float | None = None
     cache_salt: str | None = None
     lora: LoRARequest | None = None
+    prefill_only: bool = False
+
+
+class ImportRequest(msgspec.Struct, tag="import", array_like=True):
+    """A request another engine prefilled (engine/core/kv_handoff.py), continued here under request_id."""
+
+    request_id: str
+    handoff: KVHandoff
 
 
 class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
@@ -47,7 +56,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreInput = AddRequest | FinishRequests | Shutdown
+CoreInput = AddRequest | ImportRequest | FinishRequests | Shutdown
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -65,6 +74,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    kv_handoff: KVHandoff | None = None
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):

@@ -36,6 +36,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    prefill_only: bool = False  # leaves after its first token with its KV (engine/core/kv_handoff.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -180,6 +180,18 @@ class ModelRunner:
         if p.logit_bias:
             self.biased.add(r.req_id)
 
+    def adopt_request(
+        self, r: NewRequestData, block_ids: list[int], output_token_ids: list[int], generator_state: torch.Tensor | None
+    ) -> None:
+        """A request whose KV another engine computed (engine/core/kv_handoff.py): it joins the batch with its
+        block table, sampled tokens and generator state, as if this runner had run its prefill."""
+        self._add_request(r)
+        state = self.requests[r.req_id]
+        state.output_token_ids = list(output_token_ids) if r.req_id in self.special else []
+        if generator_state is not None and state.generator is not None:
+            state.generator.set_state(generator_state)
+        self.batch.set_blocks(r.req_id, block_ids, append=False)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         for rid in so.finished_req_ids:

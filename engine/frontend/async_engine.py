@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.kv_events import KVEvents
+from conveyor.engine.core.kv_handoff import KVHandoff
 from conveyor.engine.frontend.llm_engine import LLMEngine
 from conveyor.engine.frontend.outputs import RequestOutput
 from conveyor.engine.lora_request import LoRARequest
@@ -92,11 +93,18 @@ class AsyncEngine:
         stream_interval: int = 1,
         validated: bool = False,
         lora_request: LoRARequest | None = None,
+        prefill_only: bool = False,
+        handoff: KVHandoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """validated: the caller (the replica, behind the router) has checked the request already.
-        lora_request: the adapter it runs with; checked here (add_lora) unless registered already."""
+        lora_request: the adapter it runs with; checked here (add_lora) unless registered already.
+        prefill_only: the request ends after its first token, its output carrying the KVHandoff. handoff: continue
+        that request here (prompt_token_ids and sampling_params are the handoff's; its tokens are not repeated
+        as an output of their own)."""
         self.check_health()
-        if not validated:
+        if handoff is not None:
+            prompt_token_ids, sampling_params = handoff.prompt_token_ids, handoff.params
+        elif not validated:
             self.validate(prompt_token_ids, sampling_params)
         if lora_request is not None:
             self.engine.add_lora(lora_request)
@@ -108,20 +116,30 @@ class AsyncEngine:
         finished = False
         try:
             if self.in_process:
-                self._inbox.put(
-                    ("add", rid, prompt_token_ids, sampling_params, priority, cache_salt, interval, lora_request)
+                add = (
+                    rid,
+                    prompt_token_ids,
+                    sampling_params,
+                    priority,
+                    cache_salt,
+                    interval,
+                    prefill_only,
+                    handoff,
+                    lora_request,
                 )
+                self._inbox.put(("add", *add))
             else:
                 with self._lock:
-                    self.engine.add_request(
+                    self._add(
                         rid,
                         prompt_token_ids,
                         sampling_params,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        validated=True,
-                        output_interval=interval,
-                        lora_request=lora_request,
+                        priority,
+                        cache_salt,
+                        interval,
+                        prefill_only,
+                        handoff,
+                        lora_request,
                     )
             while not finished:
                 item = await stream.queue.get()
@@ -160,24 +178,41 @@ class AsyncEngine:
             except RuntimeError:
                 pass
 
+    def _add(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        salt: str | None,
+        interval: int,
+        prefill_only: bool,
+        handoff: KVHandoff | None,
+        lora: LoRARequest | None,
+    ) -> None:
+        if handoff is not None:
+            self.engine.import_request(rid, handoff, output_interval=interval)
+            return
+        self.engine.add_request(
+            rid,
+            ids,
+            params,
+            priority=priority,
+            cache_salt=salt,
+            validated=True,
+            output_interval=interval,
+            prefill_only=prefill_only,
+            lora_request=lora,
+        )
+
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, rid, ids, params, priority, salt, interval, lora = command
-            if rid not in self._streams:
+            if command[1] not in self._streams:
                 return
             try:
-                self.engine.add_request(
-                    rid,
-                    ids,
-                    params,
-                    priority=priority,
-                    cache_salt=salt,
-                    validated=True,
-                    output_interval=interval,
-                    lora_request=lora,
-                )
+                self._add(*command[1:])
             except ValueError as e:
-                self._deliver([(rid, e)])
+                self._deliver([(command[1], e)])
         elif command[0] == "abort":
             out = self.engine.abort_request(command[1])
             self._stats = self.engine.stats()

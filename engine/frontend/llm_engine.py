@@ -10,7 +10,8 @@ from conveyor.engine.checkpoints.lora import read_adapter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.core.kv_events import KVEvents
-from conveyor.engine.core.messages import AddRequest, CoreOutput
+from conveyor.engine.core.kv_handoff import KVHandoff
+from conveyor.engine.core.messages import AddRequest, CoreOutput, ImportRequest, params_from_wire
 from conveyor.engine.frontend.generation_defaults import GenerationDefaults, load_generation_defaults
 from conveyor.engine.frontend.limits import RequestLimits
 from conveyor.engine.frontend.output_processor import OutputProcessor
@@ -102,10 +103,12 @@ class LLMEngine:
         validated: bool = False,
         output_interval: int = 1,
         lora_request: LoRARequest | None = None,
+        prefill_only: bool = False,
     ) -> None:
         """validated: the caller (LLM.generate, AsyncEngine.generate) has checked the request already.
         output_interval: a streamed request's tokens per output (OutputProcessor.add).
-        lora_request: the adapter it runs with (registered here first if it is not yet)."""
+        lora_request: the adapter it runs with (registered here first if it is not yet). prefill_only: the
+        request finishes after its first token with finish_reason "handoff" and its RequestOutput.kv_handoff."""
         if not validated:
             self.validate(prompt_token_ids, params)
         if lora_request is not None:
@@ -114,8 +117,34 @@ class LLMEngine:
         self.processor.add(request_id, prompt, list(prompt_token_ids), params, arrival_time, output_interval)
         try:
             self.core.add_request(
-                AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time, cache_salt, lora_request)
+                AddRequest(
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    priority,
+                    arrival_time,
+                    cache_salt,
+                    lora_request,
+                    prefill_only,
+                )
             )
+        except BaseException:
+            self.processor.requests.pop(request_id, None)
+            raise
+
+    def import_request(self, request_id: str, handoff: KVHandoff, output_interval: int = 1) -> None:
+        """Continues a request another engine prefilled (a prefill-only request's kv_handoff). Its outputs hold
+        the handoff's tokens too, but no output carries only those."""
+        if isinstance(handoff.params, dict):
+            handoff.params = params_from_wire(handoff.params)
+        self.validate(handoff.prompt_token_ids, handoff.params)
+        tokens = list(handoff.output_token_ids)
+        self.processor.add(
+            request_id, None, list(handoff.prompt_token_ids), handoff.params, time.monotonic(), output_interval
+        )
+        self.processor.process([CoreOutput(request_id, tokens, [None] * len(tokens))])
+        try:
+            self.core.import_request(ImportRequest(request_id, handoff))
         except BaseException:
             self.processor.requests.pop(request_id, None)
             raise

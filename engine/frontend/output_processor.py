@@ -137,4 +137,4 @@ class OutputProcessor:
             out.num_preemptions,
             out.num_cached_tokens,
         )
-        return RequestOutput(rid, st.prompt, st.prompt_token_ids, [completion], done, metrics)
+        return RequestOutput(rid, st.prompt, st.prompt_token_ids, [completion], done, metrics, out.kv_handoff)

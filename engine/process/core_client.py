@@ -24,6 +24,7 @@ from conveyor.engine.core.messages import (
     CoreOutputs,
     CoreReady,
     FinishRequests,
+    ImportRequest,
     Shutdown,
 )
 from conveyor.engine.stats import EngineStats
@@ -81,6 +82,9 @@ class InprocClient:
 
     def add_request(self, req: AddRequest) -> None:
         self.core.add_request(req)
+
+    def import_request(self, req: ImportRequest) -> None:
+        self.core.import_request(req.request_id, req.handoff)
 
     def finish_requests(
         self, request_ids: list[str], reason: str = "abort", stop_reasons: list[str | None] | None = None
@@ -165,6 +169,9 @@ class MPClient:
             self.inputs.send(self.codec.encode(msg))
 
     def add_request(self, req: AddRequest) -> None:
+        self._send(req)
+
+    def import_request(self, req: ImportRequest) -> None:
         self._send(req)
 
     def finish_requests(

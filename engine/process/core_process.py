@@ -20,6 +20,7 @@ from conveyor.engine.core.messages import (
     CoreOutputs,
     CoreReady,
     FinishRequests,
+    ImportRequest,
     Shutdown,
     params_from_wire,
 )
@@ -81,6 +82,11 @@ def serve_core(
                     try:
                         msg.params = params_from_wire(msg.params)
                         core.add_request(msg)
+                    except (ValueError, TypeError) as e:
+                        news.append(CoreOutput(msg.request_id, [], finish_reason="error", stop_reason=str(e)))
+                elif isinstance(msg, ImportRequest):
+                    try:
+                        core.import_request(msg.request_id, msg.handoff)
                     except (ValueError, TypeError) as e:
                         news.append(CoreOutput(msg.request_id, [], finish_reason="error", stop_reason=str(e)))
                 elif isinstance(msg, FinishRequests):

@@ -1,0 +1,87 @@
+"""The replica of a disaggregated app (deployments/disaggregation.py): deployed twice, as the prefill and the
+decode replicas. `prefill` runs a request prefill-only and returns its first token with a reference to its
+KVHandoff in Ray's object store; `decode_to` fetches a handoff, imports it into its engine and streams the rest
+of the request like generate_to. Both also serve whole requests (generate_to)."""
+
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from conveyor.cluster.routing import RoutingHint
+from conveyor.deployments.protocol import Chunk, Delta, GenerateRequest
+from conveyor.deployments.replica import LLMReplica
+from conveyor.engine import SamplingParams
+from conveyor.engine.core.kv_handoff import KVHandoff
+
+
+@serve.deployment(name="LLMDisaggregated", max_ongoing_requests=1024, health_check_period_s=5)
+class DisaggregatedReplica(LLMReplica.func_or_class):
+    async def __init__(self, **kwargs: Any) -> None:
+        await super().__init__(**kwargs)
+        self.handoffs: dict[str, tuple[KVHandoff, int]] = {}
+        self.num_handoffs, self.handoff_bytes, self.handoff_fetch_s = 0, 0, 0.0
+
+    async def prefill(
+        self, req: GenerateRequest, routing_hint: RoutingHint | None = None, received_at: float | None = None
+    ) -> Chunk:
+        """The request's first chunk: its first token and `handoff` ({"ref": [ObjectRef of the KVHandoff],
+        "text_len", "bytes"}), or the whole answer (`last`) when that token already finishes it."""
+        start, sp = time.perf_counter(), SamplingParams(**{**req.sampling, "n": 1})
+        out = None
+        async for out in self.engine.generate(
+            req.prompts[0],
+            sp,
+            request_id=f"{req.request_id}-0",
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            validated=True,
+            prefill_only=True,
+        ):
+            self.metrics.observe_output(out)
+        c, handoff = out.outputs[0], out.kv_handoff
+        delta = Delta(
+            index=0,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+            finish_reason=None if handoff is not None else (c.finish_reason or "stop"),
+        )
+        chunk = Chunk(
+            deltas=[delta], emitted_at=time.time(), first_s=time.perf_counter() - start, replica=self.replica_id
+        )
+        if handoff is None:
+            chunk.update(last=True, stats=self.stats())
+        else:
+            self.num_handoffs += 1
+            self.handoff_bytes += handoff.num_bytes
+            chunk.update(handoff={"ref": [ray.put(handoff)], "text_len": len(c.text), "bytes": handoff.num_bytes})
+        return chunk
+
+    async def decode_to(
+        self,
+        req: GenerateRequest,
+        handoff: dict[str, Any],
+        routing_hint: RoutingHint | None = None,
+        received_at: float | None = None,
+    ) -> Chunk:
+        """generate_to for a request a prefill replica started: its KV comes from the object store."""
+        start = time.perf_counter()
+        h: KVHandoff = await handoff["ref"][0]
+        self.handoff_fetch_s += time.perf_counter() - start
+        rid = f"{req.request_id}-0"
+        self.handoffs[rid] = (h, handoff["text_len"])
+        try:
+            return await self.generate_to(req, routing_hint, received_at)
+        finally:
+            self.handoffs.pop(rid, None)
+
+    def _resume(self, request_id: str) -> tuple[dict[str, Any], int, int]:
+        if request_id not in self.handoffs:
+            return {}, 0, 0
+        h, text_len = self.handoffs[request_id]
+        return {"handoff": h}, text_len, len(h.output_token_ids)
+
+    def handoff_stats(self) -> dict[str, float]:
+        return {"handoffs": self.num_handoffs, "bytes": self.handoff_bytes, "fetch_s": self.handoff_fetch_s}

@@ -1,0 +1,75 @@
+"""Prefill/decode disaggregation, the router's side (imports no torch). A request goes to a prefill replica
+(chosen by the prefill deployment's KV-aware router: queue and prefix hits, after admission), which computes the
+prompt's KV and first token and puts its KVHandoff in Ray's object store; the router streams that first token
+and hands the object's reference to a decode replica (chosen by KV headroom), which fetches the KV straight
+from the prefill replica's node, imports it and streams the rest. The client sees one stream.
+Requests that cannot be handed off (n > 1, several prompts, structured outputs) run whole on a prefill replica."""
+
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from conveyor.cluster.routing import RoutingHint
+from conveyor.cluster.stats import num_blocks
+from conveyor.deployments.protocol import APIError, Chunk, GenerateRequest
+
+if TYPE_CHECKING:
+    from conveyor.deployments.router import Router
+
+DECODE_ROUTER = {"affinity_weight": 0.0, "headroom_weight": 1.0, "queue_weight": 0.25}
+
+
+class Disaggregation(BaseModel):
+    """App argument `disaggregation`: prefill and decode replicas instead of `num_replicas` colocated ones.
+    transfer: how the KV moves (object_store: Ray's object store, fetched by the decode replica from the
+    prefill replica's node). decode_engine: engine options of the decode replicas over `engine`."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefill_replicas: int = Field(1, ge=1)  # replicas that compute prompts' KV and first tokens (admission's)
+    decode_replicas: int = Field(1, ge=1)  # replicas that import the KV and stream the rest (routed by KV headroom)
+    transfer: Literal["object_store"] = "object_store"  # Ray's object store, fetched from the prefill replica's node
+    decode_engine: dict[str, Any] = {}  # engine options of the decode replicas over `args.engine`
+
+
+def can_hand_off(req: GenerateRequest) -> bool:
+    return req.n == 1 and len(req.prompts) == 1 and req.sampling.get("structured") is None
+
+
+class HandoffFailed(APIError):
+    def __init__(self, why: str) -> None:
+        super().__init__(
+            f"the KV handoff to a decode replica failed: {why}", status=503, type="service_unavailable", code="handoff"
+        )
+
+
+async def disaggregated_stream(
+    router: "Router", req: GenerateRequest, hint: RoutingHint, received_at: float
+) -> AsyncIterator[Chunk]:
+    """The prefill replica's chunk (the first token, or the whole answer when that token finishes it), then the
+    decode replica's. A failed prefill fails as a colocated request does; a failed transfer or a decode replica
+    lost or refusing ends the request with HandoffFailed. Either way no blocks stay behind: the prefill replica
+    freed its own when it exported them, and the decode replica's go with its request (or its process)."""
+    call = router.replica.prefill.remote(req, routing_hint=hint, received_at=received_at)
+    router.drain.track(call)
+    try:
+        first: Chunk = await call
+    finally:
+        router.drain.untrack(call)
+    handoff = first.pop("handoff", None)
+    router._observe(first)
+    yield first
+    if handoff is None:
+        return
+    blocks = num_blocks(len(req.prompts[0]) + 1, router.block_size)
+    decode_hint = RoutingHint(num_prompt_blocks=blocks)
+    try:
+        async for chunk in router.follow(
+            req, lambda: router.decode.decode_to.remote(req, handoff, routing_hint=decode_hint)
+        ):
+            yield chunk
+    except APIError:
+        raise
+    except Exception as e:
+        from conveyor.deployments.router import cause  # the router imports this module
+
+        raise HandoffFailed(repr(cause(e))) from None

@@ -1,0 +1,127 @@
+"""Prefill/decode disaggregation at the engine core: a request added with `prefill_only` leaves the engine after
+its first token with a KVHandoff (its computed tokens' KV blocks, its tokens, its sampling state); another
+engine's `import_handoff` takes it in and decodes on as if it had prefilled it. The KV travels as bytes so the
+same object crosses a ZeroMQ socket (msgpack), Ray's object store or a torch.distributed send."""
+
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import torch
+
+from conveyor.engine.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.step import NewRequestData
+
+if TYPE_CHECKING:
+    from conveyor.engine.core.engine_core import EngineCore
+
+HANDOFF = "handoff"  # the finish_reason of a prefill-only request that left with its KV
+
+
+class KVHandoff(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request between a prefill and a decode engine. `kv`: the KV of its first `num_computed` tokens
+    (prompt + outputs but the last), laid out [2, layers, blocks, block_size, kv_heads, head_dim] in `dtype`;
+    params: a SamplingParams in process, its encoded fields on the wire (messages.params_from_wire)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: Any
+    kv: bytes
+    shape: list[int]
+    dtype: str
+    priority: int = 0
+    cache_salt: str | None = None
+    generator_state: bytes | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def num_computed(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - 1
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.kv)
+
+    def kv_tensor(self) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: the tensor is only read (copied into the pool)
+            raw = torch.from_numpy(np.frombuffer(self.kv, dtype=np.uint8))
+        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _runner(core: "EngineCore") -> Any:
+    runner = getattr(core.executor, "runner", None)
+    if runner is None:
+        raise ValueError("disaggregation needs tensor_parallel_size 1 (the KV lives in this process's runner)")
+    return runner
+
+
+def export_handoff(core: "EngineCore", seq: Sequence) -> KVHandoff:
+    """The request's computed KV (its table's first blocks) and state, read before its blocks are freed."""
+    runner, kv = _runner(core), core.block_manager
+    n = kv.blocks_for(seq.num_computed_tokens)
+    ids = [b.block_id for b in kv.tables[seq.request_id][:n]]
+    blocks = runner.kv_cache[:, :, ids]
+    state = runner.requests.get(seq.request_id)
+    gen = state.generator.get_state() if state is not None and state.generator is not None else None
+    return KVHandoff(
+        seq.request_id,
+        list(seq.prompt_token_ids),
+        list(seq.output_token_ids),
+        seq.params,
+        tensor_bytes(blocks),
+        list(blocks.shape),
+        str(blocks.dtype).removeprefix("torch."),
+        seq.priority,
+        seq.cache_salt,
+        tensor_bytes(gen) if gen is not None else None,
+        seq.num_cached_tokens,
+    )
+
+
+def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = None) -> Sequence:
+    """Allocates blocks for the handoff's KV, writes it, publishes its full blocks' prefix keys and runs the
+    request from its next decode step. ValueError (nothing changed) when the KV does not fit this engine's
+    layout or its free blocks."""
+    runner, kv, sched = _runner(core), core.block_manager, core.scheduler
+    rid = request_id or h.request_id
+    if rid in sched.requests or rid in core.compiling:
+        raise ValueError(f"request_id {rid!r} is already running")
+    if not h.output_token_ids:
+        raise ValueError("KVHandoff.output_token_ids: a handoff carries at least the first token")
+    want = [2, runner.kv_cache.shape[1], kv.blocks_for(h.num_computed), *runner.kv_cache.shape[3:]]
+    dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
+    if h.shape != want or h.dtype != dtype:
+        raise ValueError(f"KVHandoff.shape: {h.shape} {h.dtype} does not fit this engine's KV cache {want} {dtype}")
+    if h.params.structured is not None:
+        raise ValueError("KVHandoff.params: structured outputs are not handed off")
+    n = want[2]
+    if n > kv.num_free_blocks:
+        raise ValueError(f"KVHandoff: {n} blocks do not fit the {kv.num_free_blocks} free blocks")
+    seq = Sequence(rid, list(h.prompt_token_ids), h.params, priority=h.priority, cache_salt=h.cache_salt)
+    seq.token_ids += h.output_token_ids
+    seq.num_computed_tokens, seq.num_cached_tokens = h.num_computed, h.num_cached_tokens
+    table = kv.pool.allocate(n)
+    kv.tables[rid] = table
+    ids = [b.block_id for b in table]
+    runner.kv_cache[:, :, torch.tensor(ids, device=runner.device)] = h.kv_tensor().to(runner.device)
+    if kv.caching:
+        kv._register(seq, table, h.num_computed // kv.block_size)
+    p = h.params
+    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(sched.eos_token_ids))
+    gen = torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8) if h.generator_state else None
+    runner.adopt_request(NewRequestData(rid, seq.prompt_token_ids, p, stop_ids), ids, h.output_token_ids, gen)
+    seq.seen_by_runner = True
+    seq.status = SequenceStatus.RUNNING
+    seq.enqueued_step = sched.num_steps
+    seq.first_scheduled_time = seq.first_token_time = time.monotonic()
+    sched.requests[rid] = seq
+    sched.running.append(seq)
+    return seq

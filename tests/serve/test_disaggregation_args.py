@@ -1,0 +1,39 @@
+"""The `disaggregation` app argument: validated up front, each refusal naming the field."""
+
+import pytest
+from pydantic import ValidationError
+
+from conveyor.deployments.app import AppArgs
+from conveyor.deployments.disaggregation import can_hand_off
+from conveyor.deployments.protocol import GenerateRequest
+
+
+@pytest.mark.parametrize(
+    "disaggregation, extra, field",
+    [
+        ({"prefill_replicas": 0}, {}, "prefill_replicas"),
+        ({"transfer": "carrier-pigeon"}, {}, "transfer"),
+        ({"decode_engine": {"no_such_option": 1}}, {}, "disaggregation.decode_engine.no_such_option"),
+        ({"decode_engine": {"block_size": 0}}, {}, "disaggregation.decode_engine.block_size"),
+        ({"decode_engine": {"tensor_parallel_size": 2}}, {}, "tensor_parallel_size"),
+        ({"whatever": 1}, {}, "whatever"),
+        ({}, {"kv_autoscaling": {"min_replicas": 1, "max_replicas": 2}}, "disaggregation"),
+    ],
+)
+def test_bad_disaggregation_is_refused_naming_the_field(disaggregation: dict, extra: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        AppArgs.model_validate({"disaggregation": disaggregation, **extra})
+
+
+def test_good_disaggregation() -> None:
+    args = AppArgs.model_validate(
+        {"disaggregation": {"prefill_replicas": 2, "decode_replicas": 3, "decode_engine": {"max_num_seqs": 64}}}
+    )
+    assert args.disaggregation.decode_replicas == 3 and args.disaggregation.transfer == "object_store"
+
+
+def test_only_single_sequence_requests_are_handed_off() -> None:
+    assert can_hand_off(GenerateRequest(prompts=[[1, 2]]))
+    assert not can_hand_off(GenerateRequest(prompts=[[1, 2]], n=2))
+    assert not can_hand_off(GenerateRequest(prompts=[[1], [2]]))
+    assert not can_hand_off(GenerateRequest(prompts=[[1]], sampling={"structured": {"json": {}}}))
