@@ -73,6 +73,7 @@ def deploy(args: argparse.Namespace, replicas: int, port: int) -> str:
         replica_node_resource=SLOT,
         engine={"dtype": "float32", "max_num_seqs": 32, "num_blocks": 512, "max_model_len": 1024},
     )
+    serve.delete("default")  # a new app, not an update: Serve refuses to change a placement-grouped deployment
     serve.run(build_app(app), name="default", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300

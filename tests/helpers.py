@@ -20,19 +20,26 @@ def prompt_ids(model: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
 
 def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' own generate on the same checkpoint: the correctness oracle."""
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
+    return generate_greedy(
+        AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32), prompts, max_tokens
+    )
+
+
+def generate_greedy(hf: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """`max_tokens` greedy tokens per prompt from a transformers (or peft) model's generate."""
     out = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        y = hf.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=3,
-        )
-        out.append(y[0, len(ids) :].tolist())
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = hf.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=3,
+            )
+            out.append(y[0, len(ids) :].tolist())
     return out
 
 

@@ -115,32 +115,13 @@ class AsyncEngine:
         interval = max(1, stream_interval)
         finished = False
         try:
+            add = (rid, prompt_token_ids, sampling_params, priority, cache_salt, interval)
+            add += (prefill_only, handoff, lora_request)
             if self.in_process:
-                add = (
-                    rid,
-                    prompt_token_ids,
-                    sampling_params,
-                    priority,
-                    cache_salt,
-                    interval,
-                    prefill_only,
-                    handoff,
-                    lora_request,
-                )
                 self._inbox.put(("add", *add))
             else:
                 with self._lock:
-                    self._add(
-                        rid,
-                        prompt_token_ids,
-                        sampling_params,
-                        priority,
-                        cache_salt,
-                        interval,
-                        prefill_only,
-                        handoff,
-                        lora_request,
-                    )
+                    self._add(*add)
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

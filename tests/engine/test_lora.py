@@ -12,7 +12,7 @@ from conveyor.engine.checkpoints.lora import write_random_adapter
 from conveyor.engine.checkpoints.model_source import resolve_model
 from conveyor.engine.core.prefix_hash import block_hashes
 from conveyor.engine.lora_request import LoRARequest
-from tests.helpers import PROMPTS, assert_no_leak, hf_greedy, prompt_ids
+from tests.helpers import PROMPTS, assert_no_leak, generate_greedy, hf_greedy, prompt_ids
 
 MAX_TOKENS = 16
 # rank, targets: every projection, attention only, MLP (and o) only
@@ -35,21 +35,7 @@ def peft_greedy(model: str, adapter: str, prompts: list[list[int]], max_tokens: 
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
-    hf = PeftModel.from_pretrained(base, adapter).eval()
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=3,
-            )
-            out.append(y[0, len(ids) :].tolist())
-    return out
+    return generate_greedy(PeftModel.from_pretrained(base, adapter).eval(), prompts, max_tokens)
 
 
 def mixed_run(model: str, loras: list[LoRARequest], prompts: list[list[int]], **options: object):
