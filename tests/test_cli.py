@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 from conveyor.engine import LLM, SamplingParams
 
@@ -18,3 +19,16 @@ def test_generate_prints_the_greedy_completion() -> None:
 def test_bad_arguments_exit_2_with_the_field_named() -> None:
     run = conveyor("generate", "--prompt", "x", "--temperature", "-1")
     assert run.returncode == 2 and "temperature" in run.stderr
+
+
+def test_bench_runs_from_any_directory(tmp_path: Path) -> None:
+    """The benchmarks come from the checkout, not the working directory, and the checkout's folders do not shadow
+    installed packages (transformers imports Hugging Face's `kernels`, a name the repository also has)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", "bench", "cluster", "--nodes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 2 and "--nodes must be >= 2" in run.stderr, run.stderr
