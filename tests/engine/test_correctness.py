@@ -106,7 +106,9 @@ TIE_MARGIN = {"bfloat16": 0.04, "float16": 0.01}
 def test_half_precision_matches_float32_up_to_near_ties(oracle, dtype: str) -> None:
     """Every generated token equals the float32 oracle's, except after a near-tie: where a half-precision run
     first picks another token, the two tokens' float32 logits (transformers, same prefix) differ by at most
-    TIE_MARGIN[dtype] of the top logit; what follows a flipped token is another context and is not compared."""
+    TIE_MARGIN[dtype] of the top logit, or transformers' own model in the same dtype picks that token too (how
+    far half-precision GEMMs drift depends on the CPU's kernels: on some, fp16 loses a 1.7% gap); what follows a
+    flipped token is another context and is not compared."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +123,8 @@ def test_half_precision_matches_float32_up_to_near_ties(oracle, dtype: str) -> N
         use_tqdm=False,
     )
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("demo:llama-tiny"), dtype=torch.float32)
-    matched = []
+    hf_half = AutoModelForCausalLM.from_pretrained(resolve_model("demo:llama-tiny"), dtype=getattr(torch, dtype))
+    matched, same_as_half = [], 0
     for prompt, want, out in zip(prompts, expected, outs):
         got = out.outputs[0].token_ids
         assert len(got) == MAX_TOKENS
@@ -130,12 +133,19 @@ def test_half_precision_matches_float32_up_to_near_ties(oracle, dtype: str) -> N
         if k < MAX_TOKENS:
             with torch.no_grad():
                 logits = hf(torch.tensor([prompt + want[:k]])).logits[0, -1]
+                half = hf_half(torch.tensor([prompt + want[:k]])).logits[0, -1].float()
             gap, top = float(logits[want[k]] - logits[got[k]]), float(logits.max())
             assert float(logits[want[k]]) == top, "the oracle is greedy"
-            assert 0 <= gap <= TIE_MARGIN[dtype] * abs(top), (
-                f"token {k}: {got[k]} instead of {want[k]}, float32 gap {gap:.4f} of top logit {top:.3f}"
+            half_agrees = float(half[got[k]]) == float(half.max())
+            same_as_half += half_agrees
+            assert 0 <= gap <= TIE_MARGIN[dtype] * abs(top) or half_agrees, (
+                f"token {k}: {got[k]} instead of {want[k]}, float32 gap {gap:.4f} of top logit {top:.3f}, "
+                f"and transformers in {dtype} picks {int(half.argmax())}"
             )
-    print(f"{dtype}: tokens equal to float32 before the first near-tie: {matched} of {MAX_TOKENS}")
+    print(
+        f"{dtype}: tokens equal to float32 before the first near-tie: {matched} of {MAX_TOKENS}; "
+        f"{same_as_half} flips also made by transformers in {dtype}"
+    )
     assert_no_leak(llm)
 
 
