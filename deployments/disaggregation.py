@@ -64,7 +64,7 @@ async def disaggregated_stream(
     decode_hint = RoutingHint(num_prompt_blocks=blocks)
     try:
         async for chunk in router.follow(
-            req, lambda: router.decode.decode_to.remote(req, handoff, routing_hint=decode_hint)
+            req, lambda: router.decode_replicas.decode_to.remote(req, handoff, routing_hint=decode_hint)
         ):
             yield chunk
     except APIError:

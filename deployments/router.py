@@ -98,7 +98,7 @@ class Router:
         """decode: the decode replicas of a disaggregated app (`replica` then prefills: deployments/disaggregation.py)."""
         flush_at_warning()
         HTTPGuard.config = (guard or GuardConfig()).with_env_key()
-        self.replica, self.decode = replica, decode
+        self.replica, self.decode_replicas = replica, decode
         self.inbox = TokenInbox()
         self.model_name = served_model_name or model
         path = resolve_model(model, revision)
@@ -276,7 +276,7 @@ class Router:
         )
 
     def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
-        if self.decode is not None and can_hand_off(gen_req):
+        if self.decode_replicas is not None and can_hand_off(gen_req):
             return disaggregated_stream(self, gen_req, hint, received_at)
         return self.follow(
             gen_req, lambda: self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
@@ -497,8 +497,8 @@ class Router:
             return error_response(self.drain.refusal())
         try:
             await asyncio.wait_for(self.replica.check_health.remote(), timeout=10)
-            if self.decode is not None:
-                await asyncio.wait_for(self.decode.check_health.remote(), timeout=10)
+            if self.decode_replicas is not None:
+                await asyncio.wait_for(self.decode_replicas.check_health.remote(), timeout=10)
         except Exception as e:
             return error_response(APIError(f"unhealthy: {cause(e)}", status=503, type="service_unavailable"))
         return Response(status_code=200)
