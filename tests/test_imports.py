@@ -97,6 +97,15 @@ def test_only_conveyor_is_installed(tmp_path: Path) -> None:
     assert Path(conveyor.__file__).resolve().parent == ROOT / "conveyor"
 
 
+def test_the_wheel_lists_every_package() -> None:
+    """A non-editable install ships only the packages pyproject.toml names: each source folder with an
+    __init__.py is one of them (an editable install would hide a missing one)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert {name for name, path in modules().items() if path.name == "__init__.py"} == listed
+
+
 def test_the_checkout_does_not_shadow_installed_distributions() -> None:
     """Started inside the checkout (its root first on sys.path), importing conveyor moves the root last, so an
     installed distribution named like one of its folders (Hugging Face's `kernels`) is the one imported."""
