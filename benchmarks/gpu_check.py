@@ -5,9 +5,9 @@ cache), and bfloat16 tok/s on the seed workload. `python -m benchmarks.gpu_check
 mismatch, within ~8 minutes on one GPU.
 
 `python -m benchmarks.gpu_check --aot` needs no GPU: it compiles every Triton kernel the engine launches
-(kernels/triton_ops.py) for sm_80 and sm_90 with the constexprs and launch options the launchers pick,
-and fails on register spills, shared memory over the target's limit, or a 16-bit tl.dot without
-tensor-core MMA in the SASS. Results are cached under ~/.cache/conveyor/triton-aot/."""
+(kernels/triton_kernels.py) for sm_80 and sm_90 with the constexprs and launch options the launchers
+(kernels/triton_ops.py) pick, and fails on register spills, shared memory over the target's limit, or a
+16-bit tl.dot without tensor-core MMA in the SASS. Results are cached under ~/.cache/conveyor/triton-aot/."""
 
 import argparse
 import contextlib
@@ -185,7 +185,7 @@ class AotLaunch:
 @dataclass
 class AotReport:
     results: list[AotResult]
-    unlaunched: list[str]  # kernels in kernels/triton_ops.py that no case launches
+    unlaunched: list[str]  # kernels in kernels/triton_kernels.py that no case launches
     seconds: float
 
     def problems(self) -> list[str]:
@@ -207,10 +207,13 @@ def _triton_ops() -> ModuleType:
     return triton_ops
 
 
-def _jit_functions(module: ModuleType) -> dict[str, Any]:
+def _jit_functions() -> dict[str, Any]:
+    """The JIT functions the launchers of _triton_ops() (call it first) can launch or inline."""
     from triton.runtime.jit import JITFunction
 
-    return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
+    from conveyor.kernels import triton_kernels
+
+    return {name: obj for name, obj in vars(triton_kernels).items() if isinstance(obj, JITFunction)}
 
 
 def _device_functions(functions: dict[str, Any]) -> set[str]:
@@ -272,7 +275,7 @@ def _call_launcher(ops: ModuleType, case: AotCase) -> None:
 
 
 def _case_launches(ops: ModuleType, case: AotCase) -> list[tuple[Any, tuple, dict]]:
-    with _captured_launches(list(_jit_functions(ops).values())) as launches:
+    with _captured_launches(list(_jit_functions().values())) as launches:
         _call_launcher(ops, case)
     return launches
 
@@ -330,7 +333,7 @@ def _config_text(kernel: Any, constexprs: dict) -> str:
 def resolve_launches(cases: list[AotCase], archs: tuple[int, ...]) -> tuple[list[AotLaunch], list[str]]:
     """Worker: every case's launches for every target, and the launchable kernels no case launched."""
     ops = _triton_ops()
-    functions = _jit_functions(ops)
+    functions = _jit_functions()
     launched, resolved = set(), []
     for case in cases:
         for kernel, args, kwargs in _case_launches(ops, case):
