@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.stats import num_blocks
-from conveyor.deployments.protocol import APIError, Chunk, GenerateRequest
+from conveyor.deployments.api_error import APIError
+from conveyor.deployments.protocol import Chunk, GenerateRequest
 
 if TYPE_CHECKING:
     from conveyor.deployments.router import Router

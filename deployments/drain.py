@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray.serve._private.constants import SERVE_NAMESPACE
 
-from conveyor.deployments.protocol import APIError
+from conveyor.deployments.api_error import APIError
 
 DRAIN_SIGNAL = "conveyor_drain"
 log = logging.getLogger("ray.serve")

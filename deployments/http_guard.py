@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.deployments.protocol import APIError
+from conveyor.deployments.api_error import APIError
 
 MAX_JSON_DEPTH = 64
 OPEN_PATHS = ("/health", "/metrics")

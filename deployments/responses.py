@@ -8,8 +8,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from conveyor.deployments.protocol import (
-    APIError,
+from conveyor.deployments.api_error import APIError, ErrorInfo, ErrorResponse
+from conveyor.deployments.protocol import Delta
+from conveyor.deployments.request_models import FunctionCall, ToolCall
+from conveyor.deployments.response_models import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -19,15 +21,10 @@ from conveyor.deployments.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    Delta,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
-    ErrorInfo,
-    ErrorResponse,
-    FunctionCall,
     TokenLogprob,
-    ToolCall,
     TopLogprob,
     UsageInfo,
 )

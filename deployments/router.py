@@ -18,23 +18,20 @@ from conveyor.cluster.admission_actor import AdmissionClient
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
+from conveyor.deployments.api_error import APIError
 from conveyor.deployments.disaggregation import can_hand_off, disaggregated_stream
 from conveyor.deployments.drain import Drain
 from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
 from conveyor.deployments.metrics import ResponseCounter, RouterMetrics
-from conveyor.deployments.protocol import (
-    APIError,
+from conveyor.deployments.protocol import Chunk, GenerateRequest, LoRAModule
+from conveyor.deployments.request_models import (
     ChatCompletionRequest,
-    Chunk,
     CompletionRequest,
-    GenerateRequest,
     LoadLoRAAdapterRequest,
-    LoRAModule,
-    ModelCard,
-    ModelList,
     SamplingRequest,
     UnloadLoRAAdapterRequest,
 )
+from conveyor.deployments.response_models import ModelCard, ModelList
 from conveyor.deployments.responses import DONE, ResponseBuilder, error_response, install_error_handlers, sse_error
 from conveyor.deployments.serve_logs import flush_at_warning
 from conveyor.deployments.token_channel import TokenInbox, follow

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.deployments.protocol import Tool
+from conveyor.deployments.request_models import Tool
 
 
 @dataclass

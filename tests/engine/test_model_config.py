@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.deployments.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.deployments.request_models import ChatCompletionRequest, CompletionRequest
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.checkpoints.demo import make_model
 from conveyor.engine.frontend.generation_defaults import SAMPLING_KEYS, load_generation_defaults

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import yaml
 
+from conveyor.deployments.api_error import APIError
 from conveyor.deployments.app import AppArgs
 from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
-from conveyor.deployments.protocol import APIError
 from tests.serve_app import API_KEY, App
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("conveyor_app", "pool_whole")]

@@ -6,7 +6,9 @@ from pydantic import ValidationError
 
 import conveyor.deployments.app as apps
 import conveyor.deployments.router as router_module
-from conveyor.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest
+from conveyor.deployments.api_error import APIError
+from conveyor.deployments.protocol import Delta, GenerateRequest
+from conveyor.deployments.request_models import ChatCompletionRequest, CompletionRequest
 from conveyor.deployments.responses import DONE, ResponseBuilder, merge_deltas, sse_error
 
 

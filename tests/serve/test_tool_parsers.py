@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from conveyor.deployments.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from conveyor.deployments.request_models import ChatCompletionRequest, NamedToolChoice, Tool
 from conveyor.deployments.tool_parsers import HermesToolParser
 
 TEXT = (
