@@ -4,11 +4,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
-from itertools import chain, compress
-from operator import attrgetter, itemgetter
 
-import numpy as np
 import torch
 
 from conveyor.engine.checkpoints.loader import load_weights
@@ -16,11 +12,13 @@ from conveyor.engine.checkpoints.lora import read_adapter
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.host_memory import keep_freed_memory
 from conveyor.engine.execution.kv_tier_store import KVTierStore
+from conveyor.engine.execution.model_inputs import ModelInputs, prepare_inputs
 from conveyor.engine.execution.persistent_batch import PersistentBatch
-from conveyor.engine.execution.rejection_sampler import verify
+from conveyor.engine.execution.rejection_sampler import fold_drafts
 from conveyor.engine.execution.sampler import SamplingBatch, add_constraints, sample
+from conveyor.engine.execution.sampling_inputs import RequestState, sampling_batch
 from conveyor.engine.model.attention import AttentionMetadata
-from conveyor.engine.model.linear import pack_weights, padded_rows
+from conveyor.engine.model.linear import pack_weights
 from conveyor.engine.model.llama import LlamaForCausalLM, head_dim_of
 from conveyor.engine.model.lora import LoRAModel
 from conveyor.engine.model.parallel import tp_rank
@@ -41,23 +39,6 @@ def _process_cpus() -> list[int]:
 
 def _is_prefill(c: ScheduledChunk) -> bool:
     return len(c.token_ids) > 1
-
-
-_req_id, _token_ids, _start, _sample = (attrgetter(f) for f in ("req_id", "token_ids", "start", "sample"))
-
-
-@dataclass
-class RequestState:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    params: SamplingParams
-    stop_ids: list[int]
-    generator: torch.Generator | None
-
-
-def cu_of(counts: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums: where each group starts."""
-    return np.cumsum(counts) - counts
 
 
 class ModelRunner:
@@ -215,7 +196,7 @@ class ModelRunner:
         input_ids, positions, meta, sample_idx, rows, sampled = self._prepare(chunks, so.draft_token_ids)
         batch = None
         if self.rank == 0:
-            batch = self._sampling_batch(sampled, rows)
+            batch = sampling_batch(sampled, rows, self.batch, self.requests, self.special, self.vocab_size, self.device)
             if self.biased or so.grammar is not None:
                 batch = add_constraints(
                     batch, [self.requests[r].params for r in sampled], sampled, so.grammar, self.device
@@ -226,42 +207,14 @@ class ModelRunner:
         tokens = tokens.tolist()
         accepted = {}
         if so.draft_token_ids:
-            sampled, tokens, logprobs, accepted = self._verify(chunks, so.draft_token_ids, sampled, tokens, logprobs)
+            sampled, tokens, logprobs, accepted = fold_drafts(
+                chunks, so.draft_token_ids, sampled, tokens, logprobs, self.batch, self.block_size
+            )
         if self.special:
             for rid, tok in zip(sampled, tokens):
                 if rid in self.special:
                     self.requests[rid].output_token_ids.append(tok)
         return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens), accepted, kv_load_s=load_s)
-
-    def _verify(
-        self,
-        chunks: list[ScheduledChunk],
-        drafts: dict[str, list[int]],
-        rows: list[str],
-        tokens: list[int],
-        logprobs: list | None,
-    ) -> tuple[list[str], list[int], list | None, dict[str, list[int]]]:
-        """Folds each drafting request's k + 1 sampled rows into its accepted drafts and next token; its block
-        table row shrinks to the blocks of its computed tokens, as the scheduler's does (BlockManager.roll_back)."""
-        starts = {c.req_id: c.start for c in chunks if c.req_id in drafts}
-        out_ids, out_tokens, out_lp, accepted = [], [], [], {}
-        i = 0
-        while i < len(rows):
-            rid = rows[i]
-            d = drafts.get(rid)
-            if d is None:
-                out_ids.append(rid)
-                out_tokens.append(tokens[i])
-                out_lp.append(logprobs[i] if logprobs else None)
-                i += 1
-                continue
-            accepted[rid], token = verify(tokens[i : i + len(d) + 1], d)
-            out_ids.append(rid)
-            out_tokens.append(token)
-            out_lp.append(None)
-            self.batch.num_blocks[self.batch.rows[rid]] = cdiv(starts[rid] + 1 + len(accepted[rid]), self.block_size)
-            i += len(d) + 1
-        return out_ids, out_tokens, out_lp if logprobs else None, accepted
 
     def _transfer(self, so: SchedulerOutput) -> float:
         """The step's tier copies: the last step's background ones finish, this step's `before` ones run here
@@ -293,143 +246,5 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model(input_ids, positions, meta)[sample_idx])
         return sample(logits, batch) if batch is not None else (torch.empty(0), None)
 
-    def _prepare(
-        self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, np.ndarray, list[str]]:
-        """Returns the model's inputs, then the persistent-batch rows and request ids of the sampled rows: one per
-        sampled chunk, k + 1 (all its tokens) for a chunk carrying k drafts."""
-        bs, n = self.block_size, len(chunks)
-        req_ids = list(map(_req_id, chunks))
-        token_ids = list(map(_token_ids, chunks))
-        q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
-        starts = np.fromiter(map(_start, chunks), dtype=np.int64, count=n)
-        sample = np.fromiter(map(_sample, chunks), dtype=bool, count=n)
-        seq_lens = starts + q_lens
-        rows = self.batch.index(req_ids)
-        block_tables = self.batch.block_tables(rows)
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        nd = int((q_lens == 1).sum())  # one-token chunks (decodes) come first
-        if nd == n:  # decode-only step: one query row per sequence, no prefill metadata to build
-            positions = starts
-            input_ids = np.fromiter(map(itemgetter(0), token_ids), dtype=np.int64, count=n)
-            slots = block_tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
-        else:
-            seq_of_token = np.repeat(np.arange(n), q_lens)
-            positions = np.arange(cu[-1]) - cu[:-1][seq_of_token] + starts[seq_of_token]
-            slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-            input_ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
-            if self.pad_steps and (pad := padded_rows(int(cu[-1])) - int(cu[-1])):
-                # rows no chunk owns: token 0 at position 0, K/V not stored (slot -1), never sampled
-                input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
-                slots = np.pad(slots, (0, pad), constant_values=-1)
-        sample_idx = cu[1:][sample] - 1
-        sampled = req_ids if sample.all() else list(compress(req_ids, sample))
-        sample_rows = rows[sample]
-        if drafts:
-            per_chunk = np.where([r in drafts for r in req_ids], q_lens, sample)
-            owner = np.repeat(np.arange(n), per_chunk)
-            sample_idx = (
-                cu[1:][owner] - per_chunk[owner] + np.arange(len(owner)) - np.repeat(cu_of(per_chunk), per_chunk)
-            )
-            sampled, sample_rows = [req_ids[i] for i in owner], rows[owner]
-        dev = self.device
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        pre_cu = cu[nd:] - cu[nd]
-        seq_lens32 = seq_lens.astype(np.int32)
-        meta = AttentionMetadata(
-            slot_mapping=t(slots),
-            num_decodes=nd,
-            decode_block_tables=t(block_tables[:nd]),
-            decode_seq_lens=t(seq_lens32[:nd]),
-            decode_max_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-            prefill_block_tables=t(block_tables[nd:]),
-            prefill_seq_lens=t(seq_lens32[nd:]),
-            prefill_query_start_loc=t(pre_cu.astype(np.int32)),
-            prefill_max_query_len=int(q_lens[nd:].max()) if nd < n else 0,
-            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd < n else 0,
-            block_tables=t(block_tables),
-            seq_lens=t(seq_lens32),
-            query_start_loc=t(cu.astype(np.int32)),
-        )
-        if len(sample_idx) < cu[-1] and not drafts:
-            meta.sampled = self._sampled_meta(meta.slot_mapping, block_tables[sample], seq_lens32[sample])
-        sample_idx = t(sample_idx)
-        if self.lora is not None:
-            lora_slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=n)
-            token_slots = lora_slots if nd == n else np.repeat(lora_slots, q_lens)
-            token_slots = np.pad(token_slots, (0, len(input_ids) - len(token_slots)), constant_values=-1)
-            self.lora.set_batch(token_slots, sample_idx if meta.sampled is not None else None)
-        return t(input_ids), t(positions), meta, sample_idx, sample_rows, sampled
-
-    def _sampled_meta(
-        self, slot_mapping: torch.Tensor, block_tables: np.ndarray, seq_lens: np.ndarray
-    ) -> AttentionMetadata:
-        """The last layer's view: this step's slots, one query per sampled sequence at its last position."""
-        n, dev = len(seq_lens), self.device
-        tables, lens = torch.from_numpy(block_tables).to(dev), torch.from_numpy(seq_lens).to(dev)
-        none = torch.zeros(0, dtype=torch.int32, device=dev)
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decodes=n,
-            decode_block_tables=tables,
-            decode_seq_lens=lens,
-            decode_max_seq_len=int(seq_lens.max()) if n else 0,
-            prefill_block_tables=tables[:0],
-            prefill_seq_lens=none,
-            prefill_query_start_loc=none,
-            prefill_max_query_len=0,
-            prefill_max_seq_len=0,
-            block_tables=tables,
-            seq_lens=lens,
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-        )
-
-    def _sampling_batch(self, req_ids: list[str], rows: np.ndarray) -> SamplingBatch:
-        dev, n, b = self.device, len(req_ids), self.batch
-
-        def col(values: np.ndarray, off: float) -> torch.Tensor | None:
-            return torch.from_numpy(values).to(dev) if (values != off).any() else None
-
-        temperature, top_k = b.temperature[rows], b.top_k[rows]
-        special = [(i, self.requests[r]) for i, r in enumerate(req_ids) if r in self.special] if self.special else []
-        penalties = [(i, s) for i, s in special if s.params.has_penalties]
-        pen: dict[str, torch.Tensor | None] = dict.fromkeys(
-            ("output_counts", "prompt_mask", "repetition_penalty", "frequency_penalty", "presence_penalty")
-        )
-        if penalties:
-            pen["output_counts"] = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=dev)
-            pen["prompt_mask"] = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
-            for i, s in penalties:
-                if s.output_token_ids:
-                    pen["output_counts"][i].index_add_(
-                        0, torch.tensor(s.output_token_ids, device=dev), torch.ones(len(s.output_token_ids), device=dev)
-                    )
-                pen["prompt_mask"][i, torch.tensor(s.prompt_token_ids, device=dev)] = True
-            for name, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
-                values = torch.full((n,), neutral, dtype=torch.float32, device=dev)
-                for i, s in penalties:
-                    values[i] = getattr(s.params, name)
-                pen[name] = values
-            if bool((pen["repetition_penalty"] == 1.0).all()):
-                pen["repetition_penalty"] = None
-        banned = [(i, tok) for i, s in special if len(s.output_token_ids) < s.params.min_tokens for tok in s.stop_ids]
-        banned_rows, banned_tokens = (torch.tensor(x, device=dev) for x in zip(*banned)) if banned else (None, None)
-        num_logprobs: list[int | None] = [None] * n
-        for i, s in special:
-            num_logprobs[i] = s.params.logprobs
-        return SamplingBatch(
-            temperature=torch.from_numpy(temperature).to(dev),
-            all_greedy=bool((temperature < 1e-5).all()),
-            top_k=col(top_k, self.vocab_size),
-            top_p=col(b.top_p[rows], 1.0),
-            min_p=col(b.min_p[rows], 0.0),
-            generators={i: s.generator for i, s in special if s.generator is not None},
-            banned_rows=banned_rows,
-            banned_tokens=banned_tokens,
-            num_logprobs=num_logprobs,
-            **pen,
-        )
+    def _prepare(self, chunks: list[ScheduledChunk], drafts: dict[str, list[int]] | None = None) -> ModelInputs:
+        return prepare_inputs(chunks, drafts, self.batch, self.block_size, self.device, self.pad_steps, self.lora)
