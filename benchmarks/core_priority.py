@@ -15,7 +15,7 @@ import os
 
 import psutil
 
-from benchmarks import serving
+from benchmarks import serving, serving_apps, serving_load
 
 
 def newest(key: str) -> int:
@@ -61,9 +61,9 @@ def main() -> None:
     opts = serving.build_parser().parse_args(["--haproxy-only"])
     prompts = serving.workload(args.num_prompts, *opts.prompt_len, seed=0)
     ttft_prompts = serving.workload(args.ttft_reps + 2, *opts.prompt_len, seed=1)
-    child = serving.start_haproxy_child(opts)
+    child = serving_apps.start_haproxy_child(opts)
     try:
-        serving.haproxy_deploy(child, "/")
+        serving_apps.haproxy_deploy(child, "/")
         core = newest("conveyor.engine.process.core_process")
         front = [newest("ServeReplica:default:Router"), newest("ServeReplica:default:LLMReplica")]
         base = f"http://127.0.0.1:{opts.port + 1}"
@@ -71,13 +71,15 @@ def main() -> None:
         for rep in range(args.reps):
             for setting in args.settings:
                 apply(setting, core, front)
-                t0, roles0 = cpu_times(), serving.cpu_by_role()
+                t0, roles0 = cpu_times(), serving_load.cpu_by_role()
                 elapsed, tokens, _, gaps = asyncio.run(
-                    serving.http_throughput(f"{base}/", prompts, args.max_tokens, True, opts.model, args.concurrency)
+                    serving_load.http_throughput(
+                        f"{base}/", prompts, args.max_tokens, True, opts.model, args.concurrency
+                    )
                 )
-                t1, roles1 = cpu_times(), serving.cpu_by_role()
+                t1, roles1 = cpu_times(), serving_load.cpu_by_role()
                 ttft = asyncio.run(
-                    serving.http_ttfts(
+                    serving_load.http_ttfts(
                         {"app": f"{base}/", "bare Serve app": f"{base}/floor/"}, ttft_prompts, opts.model
                     )
                 )

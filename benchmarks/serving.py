@@ -15,45 +15,30 @@ Serve-proxy cluster idling beside them. Rounds go over every app in turn. The cl
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import Any
+
+import torch
 
 from benchmarks.percentiles import percentile
-
-HERE = Path(__file__).resolve().parent
-import aiohttp  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks.sse import aiohttp_lines, read_completion_stream, server_timing_ms  # noqa: E402
-from conveyor.deployments.ingress import haproxy_env  # noqa: E402
+from benchmarks.serving_apps import (
+    APPS,
+    apps_of,
+    deploy_app,
+    engine_options,
+    floor_app,
+    haproxy_deploy,
+    serve_haproxy,
+    start_haproxy_child,
+    start_ray,
+    stop_ray,
+)
+from benchmarks.serving_load import cpu_by_role, http_throughput, http_ttfts
 
 
 def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, 8192) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    # no prefix caching: every run sends the same prompts, and a warm cache would skip their prefill
-    return dict(
-        dtype="float32",
-        enable_prefix_caching=False,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
-        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
-        **json.loads(args.engine),
-    )
 
 
 def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_process: bool) -> tuple[float, int]:
@@ -67,285 +52,6 @@ def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], core_
     elapsed = time.perf_counter() - start
     llm.shutdown()
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-def replica_ms(headers: Any) -> float:
-    return server_timing_ms(headers["server-timing"])["replica"]
-
-
-async def http_request(
-    client: aiohttp.ClientSession,
-    url: str,
-    prompt: list[int],
-    max_tokens: int,
-    stream: bool,
-    model: str,
-    gaps: list[float] | None = None,
-) -> tuple[float | None, float, int]:
-    """aiohttp, as vLLM's serving benchmark uses: on 2 shared cores the client's own CPU is part of the load
-    (httpx's stream reader measured ~30% of a core at 1600 tok/s)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-        **({"stream_options": {"include_usage": True}} if stream else {}),
-    }
-    start = time.perf_counter()
-    async with client.post(f"{url}v1/completions", json=body) as r:
-        r.raise_for_status()
-        if not stream:
-            return None, replica_ms(r.headers), (await r.json())["usage"]["completion_tokens"]
-        arrivals: list[float] = []
-        ttft, tokens = await read_completion_stream(aiohttp_lines(r), start, arrivals)
-    if gaps is not None:
-        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return ttft, replica_ms(r.headers), tokens
-
-
-ROLES = (
-    ("conveyor.engine.process.core_process", "core"),
-    ("LLMReplica", "replica"),
-    ("Router", "router"),
-    ("ProxyActor", "proxy"),
-    ("bin/haproxy", "haproxy"),
-)
-
-
-def cpu_by_role() -> dict[str, float]:
-    """CPU seconds so far of this machine's processes, summed by role (the rest: Ray's own, other apps);
-    CPU per token is steadier than tok/s on a shared machine."""
-    totals: dict[str, float] = {}
-    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
-        try:
-            cmd, t = " ".join(proc.info["cmdline"] or []), proc.info["cpu_times"]
-        except (psutil.Error, TypeError):
-            continue
-        if t is None:
-            continue
-        role = "client" if proc.info["pid"] == os.getpid() else next((r for key, r in ROLES if key in cmd), "other")
-        totals[role] = totals.get(role, 0.0) + t.user + t.system
-    return totals
-
-
-def session(connections: int) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=600)
-    )
-
-
-async def http_throughput(
-    url: str, prompts: list[list[int]], max_tokens: int, stream: bool, model: str, concurrency: int
-) -> tuple[float, int, list[float], list[float]]:
-    """At most `concurrency` requests in flight (a new one starts as one ends), as vLLM's --max-concurrency."""
-    gaps: list[float] = []
-    slots = asyncio.Semaphore(concurrency)
-
-    async def limited(p: list[int]) -> tuple[float | None, float, int]:
-        async with slots:
-            return await http_request(client, url, p, max_tokens, stream, model, gaps)
-
-    async with session(concurrency) as client:
-        await asyncio.gather(*(http_request(client, url, p, max_tokens, stream, model) for p in prompts[:16]))
-        start = time.perf_counter()
-        res = await asyncio.gather(*(limited(p) for p in prompts))
-        elapsed = time.perf_counter() - start
-    return elapsed, sum(t for _, _, t in res), [t for t, _, _ in res if t is not None], gaps
-
-
-async def first_line_s(client: aiohttp.ClientSession, url: str) -> float:
-    start = time.perf_counter()
-    async with client.post(url, json={}) as r:
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                return time.perf_counter() - start
-    raise RuntimeError(f"{url}: no data")
-
-
-async def http_ttfts(variants: dict[str, str], prompts: list[list[int]], model: str) -> dict[str, list[float]]:
-    """Per variant (name -> full URL prefix), HTTP TTFT minus the replica's own time to first deltas (the
-    floor app: its whole TTFT), one request per variant per prompt, round-robin."""
-    added: dict[str, list[float]] = {name: [] for name in variants}
-    async with session(4) as client:
-        for i, p in enumerate(prompts):
-            for name, prefix in variants.items():
-                if name.endswith("bare Serve app"):
-                    t = await first_line_s(client, prefix)
-                else:
-                    ttft, rep, _ = await http_request(client, prefix, p, 1, True, model)
-                    t = ttft - rep / 1000
-                if i >= 2:
-                    added[name].append(t)
-    return added
-
-
-def floor_app() -> Any:
-    """The least a streaming Serve app with this shape costs: proxy -> ingress -> one streamed item from a
-    second deployment -> SSE, no model, no pydantic, no tokenizer."""
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-    from ray import serve
-
-    api = FastAPI()
-
-    @serve.deployment(ray_actor_options={"num_cpus": 0.05})
-    class Echo:
-        async def gen(self) -> Any:
-            yield {"deltas": []}
-
-    @serve.deployment(ray_actor_options={"num_cpus": 0.05})
-    @serve.ingress(api)
-    class Front:
-        def __init__(self, echo: Any) -> None:
-            self.echo = echo.options(stream=True)
-
-        @api.post("/")
-        async def run(self, body: dict) -> StreamingResponse:
-            first = await anext(self.echo.gen.remote())
-            return StreamingResponse(
-                iter([f"data: {json.dumps(first)}\n\n", "data: [DONE]\n\n"]), media_type="text/event-stream"
-            )
-
-    return Front.bind(Echo.bind())
-
-
-APPS = {  # route prefix -> AppArgs overrides; "/" is the default configuration
-    "/": {},
-    "/inthread/": {"engine_core_process": False},
-}
-
-
-QUICK_APPS = {k: APPS[k] for k in ("/", "/inthread/")}
-
-
-def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
-    from conveyor.deployments.app import AppArgs
-
-    return AppArgs(
-        **{
-            **dict(
-                model=args.model,
-                engine=engine_options(args),
-                num_replicas=1,
-                replica_num_cpus=1.0,
-                router_num_cpus=0.5,
-                torch_threads=args.threads,
-                port=args.port,
-                stream_interval=args.stream_interval,
-            ),
-            **overrides,
-        }
-    )
-
-
-def start_ray(args: argparse.Namespace, port: int) -> None:
-    import ray
-    from ray import serve
-
-    args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp")
-    ray.init(
-        address="local",
-        num_cpus=args.ray_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=args.temp_dir,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=256 * 2**20,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-
-
-def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """--quick: the default and the core in the replica's thread (each app loads a model replica)."""
-    extra = {f"/si{k}/": {"stream_interval": k} for k in args.stream_intervals}
-    apps = {**(QUICK_APPS if args.quick else APPS), **extra}
-    return apps if args.apps is None else {k: v for k, v in apps.items() if k in args.apps}
-
-
-def deploy_app(args: argparse.Namespace, prefix: str) -> str:
-    from ray import serve
-
-    from conveyor.deployments.app import build_app
-
-    name = prefix.strip("/") or "default"
-    serve.run(build_app(app_args(args, **apps_of(args)[prefix])), name=name, route_prefix=prefix.rstrip("/") or "/")
-    return name
-
-
-def stop_ray(args: argparse.Namespace) -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
-    shutil.rmtree(args.temp_dir, ignore_errors=True)
-
-
-def serve_haproxy(args: argparse.Namespace) -> None:
-    """Child mode: a Ray cluster of its own with RAY_SERVE_ENABLE_HA_PROXY=1 (set by the parent before Ray is
-    imported) and the bare app; each stdin line names an app prefix to deploy instead of the last one ("-":
-    none), answered READY; serves until stdin closes."""
-    from ray import serve
-
-    start_ray(args, args.port)
-    try:
-        serve.run(floor_app(), name="floor", route_prefix="/floor")
-        print("READY", flush=True)
-        current = None
-        for line in sys.stdin:
-            if current is not None:
-                serve.delete(current)
-            current = deploy_app(args, line.strip()) if line.strip() != "-" else None
-            print("READY", flush=True)
-    finally:
-        stop_ray(args)
-
-
-def haproxy_deploy(child: subprocess.Popen, prefix: str) -> None:
-    child.stdin.write(prefix + "\n")
-    child.stdin.flush()
-    if (line := child.stdout.readline()).strip() != "READY":
-        raise RuntimeError(f"HAProxy cluster did not deploy {prefix}: {line!r}")
-
-
-def start_haproxy_child(args: argparse.Namespace) -> subprocess.Popen:
-    port = args.port + 1
-    cmd = [
-        sys.executable,
-        __file__,
-        "--serve-haproxy",
-        "--port",
-        str(port),
-        "--model",
-        args.model,
-        "--threads",
-        str(args.threads),
-        "--ray-cpus",
-        str(args.ray_cpus),
-        "--stream-interval",
-        str(args.stream_interval),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        "--num-blocks",
-        str(args.num_blocks),
-        "--max-prefill-tokens-while-decoding",
-        str(args.max_prefill_tokens_while_decoding),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--engine",
-        args.engine,
-    ]
-    env = {**os.environ, **haproxy_env(f"/tmp/haproxy-bench-{os.getpid()}")}
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    line = proc.stdout.readline()
-    if line.strip() != "READY":
-        proc.kill()
-        raise RuntimeError(f"HAProxy cluster did not start: {line!r}")
-    return proc
 
 
 def ms(xs: list[float], q: float = 0.5) -> float:
