@@ -108,7 +108,7 @@ def loads(url: str, path: str) -> int:
 def routing(args: argparse.Namespace) -> None:
     from ray import serve
 
-    from benchmarks.cluster import app_args, deploy, start_ray
+    from benchmarks.cluster_setup import app_args, deploy, start_ray
 
     root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     adapters = write_adapters(args.model, 8, root)
@@ -162,7 +162,7 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=16)
-    # the engine and cluster knobs benchmarks.cluster's helpers read
+    # the engine and cluster knobs benchmarks.cluster_setup's helpers read
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--haproxy", action="store_true")
     p.add_argument("--ray-cpus", type=int, default=4)

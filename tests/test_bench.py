@@ -178,7 +178,7 @@ def test_serve_bench_goodput_and_percentiles() -> None:
 
 
 def test_cluster_bench_waits_for_ports_the_last_run_still_holds() -> None:
-    from benchmarks.cluster import wait_for_ports
+    from benchmarks.cluster_setup import wait_for_ports
 
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
