@@ -1,6 +1,6 @@
 """Every Triton kernel the engine launches compiles for real GPUs (sm_80, sm_90) on this CPU-only machine:
 no register spills, shared memory within the target's limit, tensor-core MMA for every 16-bit tl.dot.
-benchmarks.gpu_check compiles in spawned processes with TRITON_INTERPRET unset, so the interpreter that
+benchmarks.aot_check compiles in spawned processes with TRITON_INTERPRET unset, so the interpreter that
 tests/conftest.py turns on here does not reach these compiles."""
 
 from collections import defaultdict
@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import (
-    AOT_DTYPES,
-    AOT_GROUPS,
-    AOT_HEAD_DIMS,
-    AOT_SMEM_LIMIT,
-    aot_cases,
-    group_block_pairs,
-    run_aot_check,
-)
+from benchmarks.aot_cases import AOT_DTYPES, AOT_GROUPS, AOT_HEAD_DIMS, AOT_SMEM_LIMIT, aot_cases, group_block_pairs
+from benchmarks.aot_check import run_aot_check
 
 KERNELS = {"_store_kv_kernel", "_decode_kernel", "_reduce_splits_kernel", "_prefill_kernel"}
 
