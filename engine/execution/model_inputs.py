@@ -70,10 +70,9 @@ def prepare_inputs(
         owner = np.repeat(np.arange(n), per_chunk)
         sample_idx = cu[1:][owner] - per_chunk[owner] + np.arange(len(owner)) - np.repeat(cu_of(per_chunk), per_chunk)
         sampled, sample_rows = [req_ids[i] for i in owner], rows[owner]
-    dev = device
 
     def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev, non_blocking=True)
+        return torch.from_numpy(a).to(device, non_blocking=True)
 
     pre_cu = cu[nd:] - cu[nd]
     seq_lens32 = seq_lens.astype(np.int32)
@@ -93,7 +92,7 @@ def prepare_inputs(
         query_start_loc=t(cu.astype(np.int32)),
     )
     if len(sample_idx) < cu[-1] and not drafts:
-        meta.sampled = sampled_metadata(meta.slot_mapping, block_tables[sample], seq_lens32[sample], dev)
+        meta.sampled = sampled_metadata(meta.slot_mapping, block_tables[sample], seq_lens32[sample], device)
     sample_idx = t(sample_idx)
     if lora is not None:
         lora_slots = np.fromiter((c.lora_slot for c in chunks), dtype=np.int64, count=n)
