@@ -5,6 +5,8 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
+from conveyor.engine.sampling_params import SamplingParams
+
 MAX_LOGPROBS = 20
 IGNORED_FIELDS = ("user", "service_tier", "store", "metadata")
 """Request fields accepted and ignored on purpose (README, "Request fields"); every other unknown field is a 400."""
@@ -430,10 +432,12 @@ class UnloadLoRAAdapterRequest(Strict):
 
 
 class GenerateRequest(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     prompts: list[list[int]]
     n: int = 1
-    sampling: dict[str, Any] = {}
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # validated by the router; n: the field above
     priority: int = 0
     stream: bool = True
     cache_salt: str | None = None

@@ -199,10 +199,9 @@ class Router:
         if structured is not None:
             field, fields = structured
             try:
-                StructuredParams(**fields)
+                sampling["structured"] = StructuredParams(**fields)
             except (ValueError, TypeError) as e:
                 raise APIError(f"{field}: {e}", param=field) from None
-            sampling["structured"] = fields
         try:
             sp, limits = SamplingParams(**sampling), RequestLimits(**info["limits"])
             for ids in prompts:
@@ -214,7 +213,7 @@ class Router:
             request_id=uuid.uuid4().hex,
             prompts=prompts,
             n=req.n,
-            sampling=sampling,
+            sampling=sp,
             priority=req.priority,
             stream=req.stream,
             cache_salt=req.cache_salt,
@@ -404,7 +403,7 @@ class Router:
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where, structured)
                 rid = f"cmpl-{gen_req.request_id}"
             gen_req.lora = lora
-            max_tokens = gen_req.sampling.get("max_tokens") or 0
+            max_tokens = gen_req.sampling.max_tokens
             hint = await self.admit(prompts, req.n, where, max_tokens, req.cache_salt, lora)
             builder = ResponseBuilder(
                 isinstance(req, ChatCompletionRequest),

@@ -22,7 +22,6 @@ from conveyor.engine.core.messages import (
     FinishRequests,
     ImportRequest,
     Shutdown,
-    params_from_wire,
 )
 from conveyor.engine.process.core_priority import REFRESH_S, CorePriority
 
@@ -80,7 +79,6 @@ def serve_core(
                     return
                 if isinstance(msg, AddRequest):
                     try:
-                        msg.params = params_from_wire(msg.params)
                         core.add_request(msg)
                     except (ValueError, TypeError) as e:
                         news.append(CoreOutput(msg.request_id, [], finish_reason="error", stop_reason=str(e)))
