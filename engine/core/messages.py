@@ -95,3 +95,14 @@ class Codec:
 
     def encode(self, msg: msgspec.Struct) -> bytes:
         return self.encoder.encode(msg)
+
+    def decode_input(self, data: bytes) -> CoreInput | CoreOutput:
+        """The next input; an AddRequest or ImportRequest whose params fail their own checks as they decode comes
+        back as that request's error output: the core refuses that request alone."""
+        try:
+            return self.inputs.decode(data)
+        except msgspec.ValidationError as e:
+            tag, request_id, *_ = msgspec.msgpack.decode(data)
+            if tag not in ("add", "import"):
+                raise
+            return CoreOutput(request_id, [], finish_reason="error", stop_reason=str(e))

@@ -72,12 +72,14 @@ def serve_core(
             news: list[CoreOutput] = []
             while True:
                 try:
-                    msg = codec.inputs.decode(inputs.recv(zmq.NOBLOCK))
+                    msg = codec.decode_input(inputs.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
                 if isinstance(msg, Shutdown):
                     return
-                if isinstance(msg, AddRequest):
+                if isinstance(msg, CoreOutput):
+                    news.append(msg)
+                elif isinstance(msg, AddRequest):
                     try:
                         core.add_request(msg)
                     except (ValueError, TypeError) as e:

@@ -9,7 +9,7 @@ import pytest
 
 from conveyor.deployments.protocol import GenerateRequest
 from conveyor.engine import SamplingParams
-from conveyor.engine.core.messages import AddRequest, Codec
+from conveyor.engine.core.messages import AddRequest, Codec, CoreOutput
 from conveyor.engine.sampling_params import StructuredParams
 
 RICH = [
@@ -69,6 +69,10 @@ def test_decoding_validates_and_names_the_field() -> None:
     wire = Codec().encode(AddRequest("r", [1], sp))
     with pytest.raises(msgspec.ValidationError, match=r"SamplingParams\.top_p"):
         Codec().inputs.decode(wire)
+    refused = Codec().decode_input(wire)  # what the core process does: it refuses that request alone
+    assert isinstance(refused, CoreOutput) and refused.request_id == "r" and refused.finish_reason == "error"
+    assert "SamplingParams.top_p" in refused.stop_reason
+    assert isinstance(Codec().decode_input(Codec().encode(AddRequest("r", [1], SamplingParams()))), AddRequest)
     with pytest.raises(msgspec.ValidationError, match="Expected `int`"):
         msgspec.msgpack.decode(msgspec.msgpack.encode({"max_tokens": "4"}), type=SamplingParams)
 
