@@ -89,7 +89,7 @@ class Decision:
     replicas: list[str] = field(default_factory=list)
     retry_after_s: float = 0.0
     reason: str = "ok"
-    cached_blocks: dict[str, int] = field(default_factory=dict)
+    cached_blocks: dict[str, float] = field(default_factory=dict)  # per replica: credited_blocks
     queue_time_s: float = 0.0
     new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
 
@@ -135,7 +135,11 @@ class AdmissionController:
         if kv_events is None:
             return False
         return self.kv.apply(
-            stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()), bool(kv_events.get("reset"))
+            stats.replica_id,
+            kv_events.get("stored", ()),
+            kv_events.get("evicted", ()),
+            bool(kv_events.get("reset")),
+            kv_events.get("offloaded", ()),
         )
 
     @staticmethod
@@ -259,6 +263,15 @@ class AdmissionController:
             return None
         return self.kv.match(replica_id, keys, self.pending_keys(replica_id))
 
+    def load_cost(self, replica_id: str) -> float:
+        """A lower-tier block's load time over its prefill time, as the replica measured it (0..1)."""
+        return min(1.0, max(0.0, self.replicas[replica_id].stats.kv_tier_load_cost))
+
+    def credited_blocks(self, replica_id: str, cached: int, lower: int) -> float:
+        """Leading prompt blocks the replica spares a prefill: `cached` in its pool, and `lower` after them in a
+        lower tier, each worth what its load saves (1 - load_cost)."""
+        return cached + lower * (1.0 - self.load_cost(replica_id)) if lower else float(cached)
+
     def queue_time(self, replica_id: str, shared: int | None = None) -> float:
         """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety.
         With `shared` (for ranking, not admission): of this router's reservations only those newer than the
@@ -271,8 +284,9 @@ class AdmissionController:
         tokens = max(0, blocks) * self.config.block_size
         return queue_time_s(e.stats, e.rates, requests, tokens, self.config.block_size) * self.config.queue_time_safety
 
-    def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
-        """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks."""
+    def score(self, replica_id: str, keys: Sequence[bytes], cached: float | None) -> float:
+        """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks; `cached`:
+        its credited prefix blocks."""
         cfg, e = self.config, self.replicas[replica_id]
         affinity = (cached or 0) / len(keys) if keys else 0.0
         load = e.stats.num_running + e.stats.num_waiting + self.reserved(replica_id)[1]
@@ -354,14 +368,14 @@ class AdmissionController:
             fits = [rid for rid in fits if wait[rid] <= limit]
             if not fits:
                 return Decision(False, [], retry_after_s(best, limit, retry), "queue_time", queue_time_s=best)
-        fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
+        lower = {rid: self.kv.match_lower(rid, keys, c) for rid, c in cached.items() if rid in wait}
+        fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now, lower)
         if lora is not None and self.config.lora_affinity:
             resident = {rid for rid in fits if lora in self.replicas[rid].stats.lora_adapters}
             load = {rid: self.replicas[rid].stats.num_running + self.replicas[rid].stats.num_waiting for rid in fits}
             fits = prefer_resident(fits, resident, {rid: n + self.reserved(rid)[1] for rid, n in load.items()})
-        return Decision(
-            True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]], need[fits[0]]
-        )
+        credit = {r: self.credited_blocks(r, c, lower[r]) for r, c in cached.items() if r in wait}
+        return Decision(True, fits, 0.0, "ok", credit, wait[fits[0]], need[fits[0]])
 
     def rank(
         self,
@@ -371,16 +385,21 @@ class AdmissionController:
         cached: dict[str, int],
         wait: dict[str, float],
         now: float,
+        lower: dict[str, int] | None = None,
     ) -> list[str]:
         """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured, else
         by the KV-aware router's score. One pooled rate for all: replicas of one deployment run one model, and
         their own rates differ mostly by how much of their busy time went to decoding."""
+        lower = lower or {}
         measured = [self.replicas[rid].rates for rid in rids]
         busy = sum(r.busy_s for r in measured if r.prefill_tokens > 0)
         if not self.config.placement or busy <= 0:
-            return sorted(
-                rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid)
-            )
+
+            def credit(rid: str) -> float | None:
+                c = cached.get(rid)
+                return None if c is None else self.credited_blocks(rid, c, lower.get(rid, 0))
+
+            return sorted(rids, key=lambda rid: (-self.score(rid, keys, credit(rid)), wait[rid], -self.room(rid), rid))
         rate = sum(r.prefill_tokens for r in measured if r.prefill_tokens > 0) / busy
         options = []
         for rid in rids:
@@ -394,6 +413,8 @@ class AdmissionController:
                     self.hot.count(rid, now, keys),
                     e.stats.kv_blocks_total,
                     e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1],
+                    lower.get(rid, 0),
+                    self.load_cost(rid),
                 )
             )
         return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
