@@ -13,8 +13,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerFast
 
-from conveyor.cluster.admission import prometheus_text
 from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.admission_metrics import prometheus_text
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
