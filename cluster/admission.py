@@ -18,69 +18,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 from conveyor.cluster import placement
+from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.hot_blocks import HotBlocks
 from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.queue_time import queue_time_s, retry_after_s
 from conveyor.cluster.reservations import Reservation, ReservationBook, SettleRule
-from conveyor.cluster.rules import check_rules
 from conveyor.cluster.score import prefer_resident, replica_score
 from conveyor.cluster.stats import Rates, ReplicaStats, num_blocks
-from conveyor.cluster.watermarks import HIGH_WATERMARK, LOW_WATERMARK, Watermarks
-from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    high_watermark: float = HIGH_WATERMARK
-    low_watermark: float = LOW_WATERMARK
-    staleness_s: float = 0.5
-    drop_after_s: float = 10.0
-    retry_after_s: float = 1.0
-    settle_s: float = 0.3  # replicas that do not report num_added: settle by time
-    settle_max_s: float = 2.0  # replicas that do: settle on arrival, or after this if the request never arrives
-    arrival_credit_s: float = 0.5  # an arrival counted before its reservation reached the actor settles it later
-    queue_timeout_s: float = 0.0
-    max_queued: int = 0
-    block_size: int = DEFAULT_BLOCK_SIZE
-    saturate_on_preemption: bool = True
-    max_queue_time_s: float = 0.0  # the longest wait to start a request may be predicted (x queue_time_safety); 0: none
-    queue_time_safety: float = 2.0  # benchmarks/cluster.py measured waits of ~2x the raw estimate
-    rate_window_s: float = 4.0
-    affinity_weight: float = 1.0
-    lora_affinity: bool = True  # replicas holding the request's LoRA adapter rank first (False: adapter-blind)
-    headroom_weight: float = 0.5
-    queue_weight: float = 0.5
-    placement: bool = True  # rank by expected TTFT (cluster.placement) once prefill rates are measured
-    hot_window_s: float = 10.0
-    hot_fraction: float = 0.6  # the rest holds running requests' own blocks and the LRU's one-off tails
-    lease_s: float = 1.0
-    # idle, unchanged replicas push and idle routers sync only every staleness_s/4, /3: less idle CPU, staler views
-    # when load returns (docs/decisions/07-quiet-when-idle-off.md)
-    quiet_when_idle: bool = False
-
-    def __post_init__(self) -> None:
-        rules = {
-            "low_watermark": (0.0 < self.low_watermark <= self.high_watermark, "need 0 < low <= high_watermark"),
-            "staleness_s": (0.0 < self.staleness_s <= self.drop_after_s, "need 0 < staleness_s <= drop_after_s"),
-            "settle_s": (self.settle_s >= 0.0, "must be >= 0"),
-            "retry_after_s": (self.retry_after_s >= 0.0, "must be >= 0"),
-            "block_size": (self.block_size >= 1, "must be >= 1"),
-            "settle_max_s": (self.settle_max_s >= 0.0, "must be >= 0"),
-            "arrival_credit_s": (self.arrival_credit_s >= 0.0, "must be >= 0"),
-            "queue_timeout_s": (self.queue_timeout_s >= 0.0, "must be >= 0"),
-            "max_queued": (self.max_queued >= 0, "must be >= 0"),
-            "max_queue_time_s": (self.max_queue_time_s >= 0.0, "must be >= 0"),
-            "rate_window_s": (self.rate_window_s > 0.0, "must be > 0"),
-            "queue_time_safety": (self.queue_time_safety >= 1.0, "must be >= 1"),
-            "hot_window_s": (self.hot_window_s > 0.0, "must be > 0"),
-            "hot_fraction": (0.0 < self.hot_fraction <= 1.0, "must be in (0, 1]"),
-            "lease_s": (self.lease_s > 0.0, "must be > 0"),
-        }
-        check_rules(rules)
-
-    @property
-    def watermarks(self) -> Watermarks:
-        return Watermarks(self.high_watermark, self.low_watermark)
 
 
 @dataclass(frozen=True)
@@ -89,7 +33,7 @@ class Decision:
     replicas: list[str] = field(default_factory=list)
     retry_after_s: float = 0.0
     reason: str = "ok"
-    cached_blocks: dict[str, int] = field(default_factory=dict)
+    cached_blocks: dict[str, float] = field(default_factory=dict)  # per replica: credited_blocks
     queue_time_s: float = 0.0
     new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
 
@@ -135,7 +79,11 @@ class AdmissionController:
         if kv_events is None:
             return False
         return self.kv.apply(
-            stats.replica_id, kv_events.get("stored", ()), kv_events.get("evicted", ()), bool(kv_events.get("reset"))
+            stats.replica_id,
+            kv_events.get("stored", ()),
+            kv_events.get("evicted", ()),
+            bool(kv_events.get("reset")),
+            kv_events.get("offloaded", ()),
         )
 
     @staticmethod
@@ -259,6 +207,15 @@ class AdmissionController:
             return None
         return self.kv.match(replica_id, keys, self.pending_keys(replica_id))
 
+    def load_cost(self, replica_id: str) -> float:
+        """A lower-tier block's load time over its prefill time, as the replica measured it (0..1)."""
+        return min(1.0, max(0.0, self.replicas[replica_id].stats.kv_tier_load_cost))
+
+    def credited_blocks(self, replica_id: str, cached: int, lower: int) -> float:
+        """Leading prompt blocks the replica spares a prefill: `cached` in its pool, and `lower` after them in a
+        lower tier, each worth what its load saves (1 - load_cost)."""
+        return cached + lower * (1.0 - self.load_cost(replica_id)) if lower else float(cached)
+
     def queue_time(self, replica_id: str, shared: int | None = None) -> float:
         """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety.
         With `shared` (for ranking, not admission): of this router's reservations only those newer than the
@@ -271,8 +228,9 @@ class AdmissionController:
         tokens = max(0, blocks) * self.config.block_size
         return queue_time_s(e.stats, e.rates, requests, tokens, self.config.block_size) * self.config.queue_time_safety
 
-    def score(self, replica_id: str, keys: Sequence[bytes], cached: int | None) -> float:
-        """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks."""
+    def score(self, replica_id: str, keys: Sequence[bytes], cached: float | None) -> float:
+        """The KV-aware router's score (cluster.routing), so the reserved replica is the one it picks; `cached`:
+        its credited prefix blocks."""
         cfg, e = self.config, self.replicas[replica_id]
         affinity = (cached or 0) / len(keys) if keys else 0.0
         load = e.stats.num_running + e.stats.num_waiting + self.reserved(replica_id)[1]
@@ -354,14 +312,14 @@ class AdmissionController:
             fits = [rid for rid in fits if wait[rid] <= limit]
             if not fits:
                 return Decision(False, [], retry_after_s(best, limit, retry), "queue_time", queue_time_s=best)
-        fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now)
+        lower = {rid: self.kv.match_lower(rid, keys, c) for rid, c in cached.items() if rid in wait}
+        fits = self.rank(fits, keys, num_prompt_blocks, cached, wait, now, lower)
         if lora is not None and self.config.lora_affinity:
             resident = {rid for rid in fits if lora in self.replicas[rid].stats.lora_adapters}
             load = {rid: self.replicas[rid].stats.num_running + self.replicas[rid].stats.num_waiting for rid in fits}
             fits = prefer_resident(fits, resident, {rid: n + self.reserved(rid)[1] for rid, n in load.items()})
-        return Decision(
-            True, fits, 0.0, "ok", {r: c for r, c in cached.items() if r in wait}, wait[fits[0]], need[fits[0]]
-        )
+        credit = {r: self.credited_blocks(r, c, lower[r]) for r, c in cached.items() if r in wait}
+        return Decision(True, fits, 0.0, "ok", credit, wait[fits[0]], need[fits[0]])
 
     def rank(
         self,
@@ -371,16 +329,21 @@ class AdmissionController:
         cached: dict[str, int],
         wait: dict[str, float],
         now: float,
+        lower: dict[str, int] | None = None,
     ) -> list[str]:
         """Best first: by expected TTFT (cluster.placement) once some replica's prefill rate is measured, else
         by the KV-aware router's score. One pooled rate for all: replicas of one deployment run one model, and
         their own rates differ mostly by how much of their busy time went to decoding."""
+        lower = lower or {}
         measured = [self.replicas[rid].rates for rid in rids]
         busy = sum(r.busy_s for r in measured if r.prefill_tokens > 0)
         if not self.config.placement or busy <= 0:
-            return sorted(
-                rids, key=lambda rid: (-self.score(rid, keys, cached.get(rid)), wait[rid], -self.room(rid), rid)
-            )
+
+            def credit(rid: str) -> float | None:
+                c = cached.get(rid)
+                return None if c is None else self.credited_blocks(rid, c, lower.get(rid, 0))
+
+            return sorted(rids, key=lambda rid: (-self.score(rid, keys, credit(rid)), wait[rid], -self.room(rid), rid))
         rate = sum(r.prefill_tokens for r in measured if r.prefill_tokens > 0) / busy
         options = []
         for rid in rids:
@@ -394,6 +357,8 @@ class AdmissionController:
                     self.hot.count(rid, now, keys),
                     e.stats.kv_blocks_total,
                     e.stats.num_running + e.stats.num_waiting + self.reserved(rid)[1],
+                    lower.get(rid, 0),
+                    self.load_cost(rid),
                 )
             )
         return placement.rank(options, prompt_blocks, self.config.block_size, self.config.hot_fraction)
@@ -488,31 +453,3 @@ class AdmissionController:
         controller = cls()
         controller.restore(snapshot, now)
         return controller
-
-
-def prometheus_text(snapshot: dict[str, Any], prefix: str = "conveyor") -> str:
-    """Prometheus exposition of a snapshot, to append to the app's /metrics."""
-    lines: list[str] = []
-    per_replica = [
-        ("kv_cache_utilization", "kv_cache_utilization"),
-        ("kv_pressure", "kv_pressure"),
-        ("kv_blocks_free", "kv_blocks_free"),
-        ("num_running", "running_requests"),
-        ("num_waiting", "waiting_requests"),
-        ("num_preemptions", "preemptions"),
-        ("saturated", "saturated"),
-        ("admitting", "admitting"),
-        ("age_s", "stats_age_seconds"),
-    ]
-    for key, name in per_replica:
-        lines.append(f"# TYPE {prefix}_replica_{name} gauge")
-        for r in snapshot["replicas"]:
-            lines.append(f'{prefix}_replica_{name}{{replica="{r["replica_id"]}"}} {float(r[key])}')
-    lines.append(f"# TYPE {prefix}_replica_node gauge")  # 1 per replica: its Ray node, to join on `replica`
-    for r in snapshot["replicas"]:
-        node = f'node_id="{r.get("node_id", "")}",node_ip="{r.get("node_ip", "")}"'
-        lines.append(f'{prefix}_replica_node{{replica="{r["replica_id"]}",{node}}} 1.0')
-    for key, value in snapshot["totals"].items():
-        lines.append(f"# TYPE {prefix}_cluster_{key} gauge")
-        lines.append(f"{prefix}_cluster_{key} {float(value)}")
-    return "\n".join(lines) + "\n"

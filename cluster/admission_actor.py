@@ -16,7 +16,8 @@ import uuid
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Sequence
 
-from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision
+from conveyor.cluster.admission import AdmissionController, Decision
+from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.leases import Leases
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.stats import ReplicaStats

@@ -21,6 +21,8 @@ class Option:
     hot_blocks: int  # blocks other prompts reused there recently (cluster.hot_blocks)
     capacity_blocks: int
     load: int = 0
+    lower_blocks: int = 0  # prompt blocks after the cached ones held in a lower KV tier: loaded, not prefilled
+    load_cost: float = 0.0  # a lower-tier block's load time over its prefill time
 
 
 def evicted_hot_blocks(o: Option, new_blocks: int, hot_fraction: float) -> int:
@@ -34,7 +36,8 @@ def cost_s(o: Option, prompt_blocks: int, block_size: int, hot_fraction: float =
     new = max(0, prompt_blocks - o.cached_blocks)
     if o.prefill_tokens_per_s <= 0:
         return float("inf")
-    return o.wait_s + (new + evicted_hot_blocks(o, new, hot_fraction)) * block_size / o.prefill_tokens_per_s
+    computed = new - min(new, o.lower_blocks) * (1.0 - o.load_cost)
+    return o.wait_s + (computed + evicted_hot_blocks(o, new, hot_fraction)) * block_size / o.prefill_tokens_per_s
 
 
 def hot_share(o: Option, hot_fraction: float) -> float:

@@ -53,7 +53,7 @@ class RoutingHint:
     num_prompt_blocks: int = 0
     replicas: tuple[str, ...] = ()
     pressure: dict[str, float] = field(default_factory=dict)
-    cached_blocks: dict[str, int] = field(default_factory=dict)
+    cached_blocks: dict[str, float] = field(default_factory=dict)  # credited: lower-tier blocks count part
     lora: str | None = None  # the LoRA adapter the request runs with, by name
 
     @classmethod
@@ -64,7 +64,7 @@ class RoutingHint:
         replicas: Sequence[str] = (),
         pressure: dict[str, float] | None = None,
         salt: str | None = None,
-        cached_blocks: dict[str, int] | None = None,
+        cached_blocks: dict[str, float] | None = None,
         keys: Sequence[bytes] | None = None,
         lora: tuple[str, str] | None = None,
     ) -> "RoutingHint":
@@ -131,7 +131,7 @@ def score_replicas(
     index: PrefixIndex,
     cfg: RouterConfig,
     was_saturated: dict[str, bool] | None = None,
-    cached_blocks: dict[str, int] | None = None,
+    cached_blocks: dict[str, float] | None = None,
 ) -> list[Scored]:
     """Scores, best first. Replicas with neither stats nor a pressure count as empty. Affinity: the leading
     blocks a replica holds (`cached_blocks`, real contents) or else, unreported, `index`'s guess."""

@@ -10,8 +10,8 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, DeploymentActorConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from conveyor.cluster.admission import AdmissionConfig
 from conveyor.cluster.admission_actor import AdmissionActor
+from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.autoscaling import KVScalingConfig
 from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.disaggregation import DECODE_ROUTER, Disaggregation

@@ -185,7 +185,7 @@ def table(cls: type) -> str:
 
 def sections() -> tuple[Section, ...]:
     # imported here: deployments.app pulls in Ray Serve and the engine config pulls in torch
-    from conveyor.cluster.admission import AdmissionConfig
+    from conveyor.cluster.admission_config import AdmissionConfig
     from conveyor.cluster.autoscaling import KVScalingConfig
     from conveyor.cluster.routing import RouterConfig
     from conveyor.deployments.app import AppArgs, KVAutoscaling

@@ -6,13 +6,13 @@ of the request like generate_to. Both also serve whole requests (generate_to).""
 import time
 from typing import Any
 
+import msgspec
 import ray
 from ray import serve
 
 from conveyor.cluster.routing import RoutingHint
 from conveyor.deployments.protocol import Chunk, Delta, GenerateRequest
 from conveyor.deployments.replica import LLMReplica
-from conveyor.engine import SamplingParams
 from conveyor.engine.core.kv_handoff import KVHandoff
 
 
@@ -28,7 +28,7 @@ class DisaggregatedReplica(LLMReplica.func_or_class):
     ) -> Chunk:
         """The request's first chunk: its first token and `handoff` ({"ref": [ObjectRef of the KVHandoff],
         "text_len", "bytes"}), or the whole answer (`last`) when that token already finishes it."""
-        start, sp = time.perf_counter(), SamplingParams(**{**req.sampling, "n": 1})
+        start, sp = time.perf_counter(), msgspec.structs.replace(req.sampling, n=1)
         out = None
         async for out in self.engine.generate(
             req.prompts[0],

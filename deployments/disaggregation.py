@@ -33,7 +33,7 @@ class Disaggregation(BaseModel):
 
 
 def can_hand_off(req: GenerateRequest) -> bool:
-    return req.n == 1 and len(req.prompts) == 1 and req.sampling.get("structured") is None
+    return req.n == 1 and len(req.prompts) == 1 and req.sampling.structured is None
 
 
 class HandoffFailed(APIError):

@@ -3,9 +3,10 @@
 import uuid
 from typing import Any, TypedDict
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.deployments.request_models import Strict
+from conveyor.engine.sampling_params import SamplingParams
 
 
 class LoRAModule(Strict):
@@ -16,10 +17,12 @@ class LoRAModule(Strict):
 
 
 class GenerateRequest(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     prompts: list[list[int]]
     n: int = 1
-    sampling: dict[str, Any] = {}
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # validated by the router; n: the field above
     priority: int = 0
     stream: bool = True
     cache_salt: str | None = None

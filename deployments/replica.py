@@ -6,6 +6,7 @@ from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any, AsyncIterator
 
+import msgspec
 import ray
 import torch
 from ray import serve
@@ -195,7 +196,7 @@ class LLMReplica:
         """The request's chunks: one per engine step at most while streaming (the first carries the replica's
         TTFT, the last its stats and `last`), else one at the end. received_at: the router's time.time() at
         receipt, for the ingress share of serve_overhead."""
-        samples = SamplingParams(**{**req.sampling, "n": req.n}).fan_out()
+        samples = msgspec.structs.replace(req.sampling, n=req.n).fan_out()
         jobs = [
             (p * req.n + i, f"{req.request_id}-{p * req.n + i}", prompt, sp)
             for p, prompt in enumerate(req.prompts)

@@ -13,8 +13,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerFast
 
-from conveyor.cluster.admission import prometheus_text
 from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.admission_metrics import prometheus_text
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
@@ -196,10 +196,9 @@ class Router:
         if structured is not None:
             field, fields = structured
             try:
-                StructuredParams(**fields)
+                sampling["structured"] = StructuredParams(**fields)
             except (ValueError, TypeError) as e:
                 raise APIError(f"{field}: {e}", param=field) from None
-            sampling["structured"] = fields
         try:
             sp, limits = SamplingParams(**sampling), RequestLimits(**info["limits"])
             for ids in prompts:
@@ -211,7 +210,7 @@ class Router:
             request_id=uuid.uuid4().hex,
             prompts=prompts,
             n=req.n,
-            sampling=sampling,
+            sampling=sp,
             priority=req.priority,
             stream=req.stream,
             cache_salt=req.cache_salt,
@@ -401,7 +400,7 @@ class Router:
                 gen_req = await self.prepare(req, prompts, req.max_tokens, where, structured)
                 rid = f"cmpl-{gen_req.request_id}"
             gen_req.lora = lora
-            max_tokens = gen_req.sampling.get("max_tokens") or 0
+            max_tokens = gen_req.sampling.max_tokens
             hint = await self.admit(prompts, req.n, where, max_tokens, req.cache_salt, lora)
             builder = ResponseBuilder(
                 isinstance(req, ChatCompletionRequest),

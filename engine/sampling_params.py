@@ -1,6 +1,6 @@
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any
+
+import msgspec
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -20,22 +20,23 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= FLOAT32_MAX
 
 
-@dataclass
-class StructuredParams:
-    """One output constraint, vLLM's shape: a JSON schema, any JSON object, a regex, a choice, or an EBNF grammar."""
+class StructuredParams(msgspec.Struct, kw_only=True, dict=True, omit_defaults=True):
+    """One output constraint, vLLM's shape: a JSON schema, any JSON object, a regex, a choice, or an EBNF grammar.
+    `kind` and `text` (the constraint the grammar compiles) are derived in __post_init__, which msgspec runs on
+    construction, decoding, unpickling and structs.replace alike; they are not encoded."""
 
-    json: str | dict | None = None
+    json: str | dict | bool | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    kind: str = field(init=False, repr=False)
-    text: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object is True else []
-        _check(self.json_object in (True, False), "structured.json_object", f"must be a bool, got {self.json_object!r}")
+        _check(
+            isinstance(self.json_object, bool), "structured.json_object", f"must be a bool, got {self.json_object!r}"
+        )
         _check(
             len(given) == 1,
             "structured",
@@ -78,8 +79,11 @@ class StructuredParams:
         return self.kind, self.text
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, dict=True, omit_defaults=True):
+    """What a request samples with; validated in __post_init__ (a ValueError naming the field), which msgspec runs
+    on construction, decoding, unpickling and structs.replace alike, so every copy is a checked one. `structured`
+    accepts a dict of StructuredParams fields too. `stop_strings` (`stop` as a list) is derived, not encoded."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -97,9 +101,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    structured: StructuredParams | dict[str, Any] | None = None
+    structured: StructuredParams | None = None
     logit_bias: dict[int, float] | None = None
-    stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -131,6 +134,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stop), "stop", f"must be non-empty strings, got {self.stop!r}")
         self.stop_strings = stop
+        if self.stop is not None and not isinstance(self.stop, str):
+            self.stop = stop
         ids = self.stop_token_ids or []
         _check(
             isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),
@@ -175,8 +180,6 @@ class SamplingParams:
         """The n one-sample requests that n > 1 runs as; sample j gets seed + j, so seeded samples differ."""
         if self.n == 1:
             return [self]
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         return [
-            SamplingParams(**{**kwargs, "n": 1, "seed": None if self.seed is None else self.seed + j})
-            for j in range(self.n)
+            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)
         ]

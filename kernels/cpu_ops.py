@@ -15,16 +15,18 @@ these kernels lay K out as [kv_heads, head_dim, block_size] and V as [kv_heads, 
 (`reference_layout` shows them the reference way): only store_kv_cache writes them, only
 paged_attention reads them, and whole-block copies (swap, prefix sharing) do not care."""
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "cpu_ops.cpp"  # one translation unit; it includes the headers beside it
@@ -125,31 +127,27 @@ def _load(isa: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build
 
-        clear_stale_lock(name)
-        return build(name=name, sources=[str(SOURCE)], extra_cflags=cflags(isa), extra_ldflags=["-fopenmp"])
+        with build_lock(name):
+            return build(name=name, sources=[str(SOURCE)], extra_cflags=cflags(isa), extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: the pure-torch path still runs
         log.warning("C++ CPU kernels (%s) unavailable (%s); using the torch reference", isa, e)
         return None
 
 
-STALE_LOCK_S = 600.0  # a build takes about a minute
-
-
-def clear_stale_lock(name: str, now: float | None = None) -> bool:
-    """Removes the build lock of extension `name` when it is older than STALE_LOCK_S. A build killed midway
-    leaves it behind, and torch's cpp_extension then waits on it for ever, silently. True: one was removed."""
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Held while extension `name` builds: an OS file lock (filelock), which the kernel releases when its holder
+    dies. torch's own lock file is a plain file that a build killed midway leaves behind, and torch then waits on
+    it for ever; while this lock is held no other build of `name` runs, so that file is removed first."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, False)) / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age <= STALE_LOCK_S:
-        return False
-    log.warning("removing a stale build lock (%.0f s old, from a killed build): %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+    directory = Path(_get_build_directory(name, False))
+    with FileLock(str(directory.with_name(directory.name + ".conveyor.lock"))):
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing the build lock a killed build left: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def reference_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

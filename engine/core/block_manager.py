@@ -5,7 +5,7 @@ ids only; the tensors live in the model runner."""
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from conveyor.engine.core.kv_events import KVEventLog, KVEvents
+from conveyor.engine.core.kv_events import KVEventLog, KVEvents, Place
 from conveyor.engine.core.kv_tiers import KVTiers
 from conveyor.engine.core.prefix_hash import block_hash
 from conveyor.engine.core.sequence import Sequence
@@ -23,14 +23,24 @@ class Block:
 class BlockPool:
     """Free blocks in two LRU queues: never-cached ones are handed out before cached ones are evicted."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, tiers: KVTiers | None = None) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_plain: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.free_cached: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[bytes, Block] = {}
-        self.kv_events = KVEventLog(max(1 << 16, 4 * num_blocks))
-        self.tiers: KVTiers | None = None  # set: cached blocks are stored there as they go idle or are evicted
+        self.tiers = tiers  # cached blocks are stored there as they go idle or are evicted
+        self.kv_events = KVEventLog(self.place, self.held, max(1 << 16, 4 * num_blocks))
+        if tiers is not None:
+            tiers.on_change = self.kv_events.add
         self.idle: list[Block] = []  # cached blocks whose ref count fell to 0 since the tiers last looked
+
+    def place(self, key: bytes) -> Place:
+        if key in self.cached:
+            return "pool"
+        return "lower" if self.tiers is not None and key in self.tiers else "none"
+
+    def held(self) -> list[bytes]:
+        return [*self.cached, *(self.tiers.where if self.tiers is not None else ())]
 
     @property
     def num_free(self) -> int:
@@ -65,14 +75,14 @@ class BlockPool:
     def unregister(self, block: Block) -> None:
         if block.hash is not None and self.cached.get(block.hash) is block:
             del self.cached[block.hash]
-            self.kv_events.add(block.hash, False)
+            self.kv_events.add(block.hash)
         block.hash = None
 
     def register(self, block: Block, h: bytes) -> None:
         if block.hash is None and h not in self.cached:
             block.hash = h
             self.cached[h] = block
-            self.kv_events.add(h, True)
+            self.kv_events.add(h)
 
 
 class BlockManager:
@@ -86,8 +96,8 @@ class BlockManager:
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
-        self.tiers = self.pool.tiers = tiers if enable_prefix_caching else None
+        self.tiers = tiers if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.tiers)
         self.tables: dict[str, list[Block]] = {}
         self.hashes: dict[str, list[bytes]] = {}
         self.num_registered: dict[str, int] = {}
@@ -222,8 +232,9 @@ class BlockManager:
         return tiers.take()
 
     def drain_kv_events(self, max_events: int | None = None) -> KVEvents:
-        """Keys stored/evicted since the last drain (thread-safe); the first drain lists every cached key."""
-        return self.pool.kv_events.drain(lambda: list(self.pool.cached), max_events)
+        """Keys whose place (pool, lower tier, none) changed since the last drain (thread-safe); the first drain
+        lists every key held."""
+        return self.pool.kv_events.drain(max_events)
 
     def request_kv_reset(self) -> None:
         self.pool.kv_events.request_reset()

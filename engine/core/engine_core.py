@@ -15,7 +15,7 @@ from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
 from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, export_handoff, import_handoff
 from conveyor.engine.core.kv_tiers import KVTiers, LoadCost
-from conveyor.engine.core.messages import AddRequest, CoreOutput, params_from_wire
+from conveyor.engine.core.messages import AddRequest, CoreOutput
 from conveyor.engine.core.output_lengths import OutputLengths
 from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
@@ -180,8 +180,6 @@ class EngineCore:
     def import_request(self, request_id: str, handoff: KVHandoff) -> None:
         """Continues a request another engine prefilled (kv_handoff.import_handoff); its first output reports
         only the tokens after the handoff's."""
-        if isinstance(handoff.params, dict):
-            handoff.params = params_from_wire(handoff.params)
         seq = import_handoff(self, handoff, request_id)
         self.reported[request_id] = seq.num_output_tokens
         self.num_added += 1

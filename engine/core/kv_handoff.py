@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.step import NewRequestData
 
 if TYPE_CHECKING:
@@ -22,13 +23,12 @@ HANDOFF = "handoff"  # the finish_reason of a prefill-only request that left wit
 
 class KVHandoff(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request between a prefill and a decode engine. `kv`: the KV of its first `num_computed` tokens
-    (prompt + outputs but the last), laid out [2, layers, blocks, block_size, kv_heads, head_dim] in `dtype`;
-    params: a SamplingParams in process, its encoded fields on the wire (messages.params_from_wire)."""
+    (prompt + outputs but the last), laid out [2, layers, blocks, block_size, kv_heads, head_dim] in `dtype`."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    params: Any
+    params: SamplingParams
     kv: bytes
     shape: list[int]
     dtype: str

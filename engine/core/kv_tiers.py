@@ -9,9 +9,9 @@ the last. Copies run in the order they are planned, so one plan needs no pinning
 store that reuses its slot reads the slot first."""
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conveyor.engine.core.kv_events import KVEventLog, KVEvents
 from conveyor.engine.step import KVCopy, KVTransfer
 
 
@@ -29,7 +29,6 @@ class Tier:
     lru: OrderedDict[bytes, int] = field(default_factory=OrderedDict)  # key -> slot, least recent first
     free: list[int] = field(default_factory=list)
     stats: TierStats = field(default_factory=TierStats)
-    events: KVEventLog = field(default_factory=KVEventLog)
 
     def __post_init__(self) -> None:
         self.free = list(range(self.num_slots - 1, -1, -1))
@@ -45,6 +44,7 @@ class KVTiers:
         self.after: list[KVCopy] = []
         self.num_loads = 0
         self.held: set[bytes] = set()  # keys about to be loaded: no store may take their slots
+        self.on_change: Callable[[bytes], None] = lambda key: None  # a key entered or left the tiers
 
     def tier(self, number: int) -> Tier:
         return self.tiers[number - 1]
@@ -83,19 +83,21 @@ class KVTiers:
             return None
         slot = tier.lru.pop(key)
         del self.where[key]
-        tier.events.add(key, False)
         tier.stats.dropped += 1
         below = self._room(t + 1, copies) if t < len(self.tiers) else None
         if below is not None:
             copies.append((t, slot, t + 1, below))
             self._put(key, t + 1, below)
+        else:
+            self.on_change(key)
         return slot
 
     def _put(self, key: bytes, t: int, slot: int) -> None:
         tier = self.tier(t)
         tier.lru[key] = slot
         tier.stats.stored += 1
-        tier.events.add(key, True)
+        if key not in self.where:
+            self.on_change(key)
         self.where[key] = t
 
     def take(self) -> KVTransfer | None:
@@ -105,13 +107,6 @@ class KVTiers:
         out = KVTransfer(self.before, self.after, self.num_loads)
         self.before, self.after, self.num_loads = [], [], 0
         return out
-
-    def drain_events(self, max_events: int | None = None) -> dict[str, KVEvents]:
-        return {t.name: t.events.drain(lambda t=t: list(t.lru), max_events) for t in self.tiers}
-
-    def request_reset(self) -> None:
-        for t in self.tiers:
-            t.events.request_reset()
 
     def check(self) -> str | None:
         """What is inconsistent in the index, or None (engine/core/invariants.py)."""

@@ -1,35 +1,21 @@
 """What crosses between the engine front end (tokenizer, detokeniser, stop strings, streams) and the engine
 core (scheduler, KV cache, grammars, executor): typed msgspec structs, encoded as msgpack (no pickle)."""
 
-from dataclasses import fields
-from typing import Any
-
 import msgspec
 
 from conveyor.engine.core.kv_events import KVEvents
 from conveyor.engine.core.kv_handoff import KVHandoff
 from conveyor.engine.lora_request import LoRARequest
-from conveyor.engine.sampling_params import SamplingParams, StructuredParams
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.stats import EngineStats
-
-_PARAMS = {f.name for f in fields(SamplingParams) if f.init}
-_STRUCTURED = {f.name for f in fields(StructuredParams) if f.init}
-
-
-def params_from_wire(d: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from its encoded fields (msgspec can't decode its structured union directly)."""
-    kw = {k: v for k, v in d.items() if k in _PARAMS}
-    if kw.get("structured") is not None:
-        kw["structured"] = {k: v for k, v in kw["structured"].items() if k in _STRUCTURED}
-    return SamplingParams(**kw)
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
-    """params: a SamplingParams in process; its encoded fields on the wire (params_from_wire)."""
+    """params: decoded (and so validated again) by its own __post_init__ in the core process."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
     cache_salt: str | None = None
@@ -109,3 +95,14 @@ class Codec:
 
     def encode(self, msg: msgspec.Struct) -> bytes:
         return self.encoder.encode(msg)
+
+    def decode_input(self, data: bytes) -> CoreInput | CoreOutput:
+        """The next input; an AddRequest or ImportRequest whose params fail their own checks as they decode comes
+        back as that request's error output: the core refuses that request alone."""
+        try:
+            return self.inputs.decode(data)
+        except msgspec.ValidationError as e:
+            tag, request_id, *_ = msgspec.msgpack.decode(data)
+            if tag not in ("add", "import"):
+                raise
+            return CoreOutput(request_id, [], finish_reason="error", stop_reason=str(e))

@@ -11,7 +11,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.core.kv_events import KVEvents
 from conveyor.engine.core.kv_handoff import KVHandoff
-from conveyor.engine.core.messages import AddRequest, CoreOutput, ImportRequest, params_from_wire
+from conveyor.engine.core.messages import AddRequest, CoreOutput, ImportRequest
 from conveyor.engine.frontend.generation_defaults import GenerationDefaults, load_generation_defaults
 from conveyor.engine.frontend.limits import RequestLimits
 from conveyor.engine.frontend.output_processor import OutputProcessor
@@ -135,8 +135,6 @@ class LLMEngine:
     def import_request(self, request_id: str, handoff: KVHandoff, output_interval: int = 1) -> None:
         """Continues a request another engine prefilled (a prefill-only request's kv_handoff). Its outputs hold
         the handoff's tokens too, but no output carries only those."""
-        if isinstance(handoff.params, dict):
-            handoff.params = params_from_wire(handoff.params)
         self.validate(handoff.prompt_token_ids, handoff.params)
         tokens = list(handoff.output_token_ids)
         self.processor.add(

@@ -14,7 +14,7 @@ import zmq
 from transformers import PreTrainedTokenizerBase
 
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.core.kv_events import KVEventLog, KVEvents
+from conveyor.engine.core.kv_events import KVEventLog, KVEvents, Place
 from conveyor.engine.core.messages import (
     AddRequest,
     Codec,
@@ -37,32 +37,35 @@ class EngineCoreDied(RuntimeError):
 
 
 class KVMirror:
-    """The core process's prefix-cache keys as its per-step KV events report them, drained here like the
-    core's own KVEventLog (same contract: the first drain, or one after a reset, lists every key)."""
+    """The core process's prefix-cache keys and their places as its per-step KV events report them, drained
+    here like the core's own KVEventLog (same contract: the first drain, or one after a reset, lists every key)."""
 
     def __init__(self) -> None:
-        self.keys: set[bytes] = set()
-        self.log = KVEventLog()
+        self.places: dict[bytes, Place] = {}
+        self.log = KVEventLog(lambda key: self.places.get(key, "none"), lambda: list(self.places))
         self.lock = threading.Lock()
 
     def apply(self, events: KVEvents) -> None:
         """A reset from the core (its first drain, or its log overflowed) becomes the difference to the keys
         known here, so this side's reader sees ordinary events."""
         with self.lock:
-            stored, evicted = events.stored, events.evicted
             if events.reset:
-                listed = set(stored)
-                stored, evicted = list(listed - self.keys), list(self.keys - listed)
-            for key in stored:
-                self.keys.add(key)
-                self.log.add(key, True)
-            for key in evicted:
-                self.keys.discard(key)
-                self.log.add(key, False)
+                listed = set(events.stored) | set(events.offloaded)
+                for key in [k for k in self.places if k not in listed]:
+                    del self.places[key]
+                    self.log.add(key)
+            for keys, place in ((events.stored, "pool"), (events.offloaded, "lower")):
+                for key in keys:
+                    if self.places.get(key) != place:
+                        self.places[key] = place
+                        self.log.add(key)
+            for key in events.evicted:
+                if self.places.pop(key, None) is not None:
+                    self.log.add(key)
 
     def drain(self, max_events: int | None = None) -> KVEvents:
         with self.lock:
-            return self.log.drain(lambda: list(self.keys), max_events)
+            return self.log.drain(max_events)
 
 
 class InprocClient:

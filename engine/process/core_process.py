@@ -22,7 +22,6 @@ from conveyor.engine.core.messages import (
     FinishRequests,
     ImportRequest,
     Shutdown,
-    params_from_wire,
 )
 from conveyor.engine.process.core_priority import REFRESH_S, CorePriority
 
@@ -73,14 +72,15 @@ def serve_core(
             news: list[CoreOutput] = []
             while True:
                 try:
-                    msg = codec.inputs.decode(inputs.recv(zmq.NOBLOCK))
+                    msg = codec.decode_input(inputs.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
                 if isinstance(msg, Shutdown):
                     return
-                if isinstance(msg, AddRequest):
+                if isinstance(msg, CoreOutput):
+                    news.append(msg)
+                elif isinstance(msg, AddRequest):
                     try:
-                        msg.params = params_from_wire(msg.params)
                         core.add_request(msg)
                     except (ValueError, TypeError) as e:
                         news.append(CoreOutput(msg.request_id, [], finish_reason="error", stop_reason=str(e)))

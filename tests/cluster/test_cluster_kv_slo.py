@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.cluster.admission import AdmissionConfig, AdmissionController
+from conveyor.cluster.admission import AdmissionController
 from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
+from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.prefix_index import PrefixIndex
 from conveyor.cluster.queue_time import queue_time_s, retry_after_s

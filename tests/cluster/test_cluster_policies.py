@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conveyor.cluster.admission import AdmissionConfig, AdmissionController, Decision, prometheus_text
+from conveyor.cluster.admission import AdmissionController, Decision
 from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
+from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.admission_metrics import prometheus_text
 from conveyor.cluster.autoscaling import (
     KVCacheAutoscalingPolicy,
     KVScalingConfig,

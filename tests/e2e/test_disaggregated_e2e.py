@@ -12,6 +12,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from conveyor.deployments.protocol import GenerateRequest
+from conveyor.engine import SamplingParams
 from conveyor.engine.checkpoints.model_source import resolve_model
 from tests.serve_app import App, serve_app, sse_events, wait_for
 
@@ -38,7 +39,7 @@ def handle(role: str) -> Any:
 def colocated_text(app: App, prompt: str, max_tokens: int) -> str:
     """The same request run whole on the prefill replica (its generate_to: a colocated replica's path)."""
     ids = AutoTokenizer.from_pretrained(resolve_model("demo:tiny"))(prompt).input_ids
-    sampling = {"n": 1, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     chunk = handle("Prefill").generate_to.remote(GenerateRequest(prompts=[ids], sampling=sampling, stream=False))
     return "".join(d["text"] for d in chunk.result()["deltas"])
 

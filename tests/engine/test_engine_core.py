@@ -140,6 +140,16 @@ def _until_idle(llm: LLM) -> bool:
     return False
 
 
+def test_params_that_fail_their_checks_in_the_core_fail_that_request_only(llm_mp: LLM) -> None:
+    bad = SamplingParams(temperature=0, max_tokens=4)
+    bad.top_p = 2.0  # assigned after construction: only the core's decode checks it again
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm_mp.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, [bad, good], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "SamplingParams.top_p" in outs[0].outputs[0].stop_reason
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
+    llm_mp.engine.check_health()
+
+
 def test_core_crash_fails_inflight_requests_and_health() -> None:
     engine = AsyncEngine(EngineConfig(model=MODEL, num_blocks=64), engine_core_process=True)
 

@@ -13,28 +13,35 @@ from conveyor.engine.core.prefix_hash import block_hashes
 def apply(index: set[bytes], events) -> None:
     if events.reset:
         index.clear()
-    index.difference_update(events.evicted)
+    index.difference_update(events.evicted + events.offloaded)
     index.update(events.stored)
 
 
-def test_log_keeps_latest_event_per_key_bounded_and_resets_on_overflow() -> None:
-    cached: list[bytes] = []
-    log = KVEventLog(max_entries=4)
-    first = log.drain(lambda: list(cached))
+def test_log_reports_each_changed_key_once_at_its_place_bounded_and_resets_on_overflow() -> None:
+    places: dict[bytes, str] = {}
+    log = KVEventLog(lambda k: places.get(k, "none"), lambda: list(places), max_entries=4)
+    first = log.drain()
     assert first.reset and first.stored == []
-    log.add(b"a", True)
-    log.add(b"b", True)
-    log.add(b"a", False)
-    e = log.drain(lambda: cached, max_events=1)
-    assert (e.stored, e.evicted, e.reset) == ([b"b"], [], False)
-    assert log.drain(lambda: cached).evicted == [b"a"]
+    places[b"a"] = places[b"b"] = "pool"
+    log.add(b"a")
+    log.add(b"b")
+    places[b"a"] = "lower"  # its pool block went, a host copy stays
+    log.add(b"a")
+    e = log.drain(max_events=1)
+    assert (e.stored, e.evicted, e.offloaded, e.reset) == ([b"b"], [], [], False)
+    assert log.drain().offloaded == [b"a"]
+    del places[b"a"]
+    log.add(b"a")
+    assert log.drain().evicted == [b"a"]
     for k in (b"1", b"2", b"3", b"4", b"5"):
-        log.add(k, True)
-    cached[:] = [b"4", b"5"]
-    e = log.drain(lambda: cached)
-    assert e.reset and e.stored == [b"4", b"5"]
+        log.add(k)
+    places.clear()
+    places.update({b"4": "pool", b"5": "lower"})
+    e = log.drain()
+    assert e.reset and e.stored == [b"4"] and e.offloaded == [b"5"]
     log.request_reset()
-    assert log.drain(lambda: [b"x"]).stored == [b"x"]
+    places[b"x"] = "pool"
+    assert log.drain().stored == [b"4", b"x"]
 
 
 def test_drained_events_track_the_engine_cache_through_evictions() -> None:
@@ -79,3 +86,20 @@ def test_drained_events_track_the_engine_cache_through_evictions() -> None:
 def test_prefix_hash_imports_without_torch() -> None:
     code = "import sys, conveyor.engine.core.prefix_hash, conveyor.engine.core.kv_events, conveyor.engine.stats; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_front_ends_mirror_relays_places_and_turns_a_core_reset_into_differences() -> None:
+    from conveyor.engine.core.kv_events import KVEvents
+    from conveyor.engine.process.core_client import KVMirror
+
+    mirror = KVMirror()
+    mirror.apply(KVEvents(stored=[b"a", b"b"], offloaded=[b"c"], reset=True))
+    first = mirror.drain()  # the reader's first drain lists everything, as the core's own log does
+    assert first.reset and (first.stored, first.offloaded) == ([b"a", b"b"], [b"c"])
+    mirror.apply(KVEvents(offloaded=[b"a"], evicted=[b"c"]))
+    e = mirror.drain()
+    assert (e.stored, e.offloaded, e.evicted, e.reset) == ([], [b"a"], [b"c"], False)
+    mirror.apply(KVEvents(stored=[b"b", b"d"], offloaded=[b"a"], reset=True))  # the core's log overflowed
+    e = mirror.drain()
+    assert (e.stored, e.offloaded, e.evicted, e.reset) == ([b"d"], [], [], False)  # only what changed
+    assert mirror.places == {b"a": "lower", b"b": "pool", b"d": "pool"}

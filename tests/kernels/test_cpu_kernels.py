@@ -2,7 +2,10 @@
 every ISA build (kernels/cpu_ops.py's ISAS): an ISA this CPU cannot run is skipped naming the CPU flags it lacks."""
 
 import logging
-import time
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -371,14 +374,45 @@ def test_prefill_steps_padded_to_bounded_row_counts_give_the_same_tokens() -> No
     assert llm.engine.stats().kv_blocks_free == llm.engine.stats().kv_blocks_total
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
-    """A build killed midway leaves torch's lock file; the next build would wait on it for ever."""
+def test_a_running_build_is_waited_for_and_a_killed_ones_lock_removed(tmp_path, monkeypatch) -> None:
+    """A build killed midway leaves torch's lock file, on which torch would wait for ever: the next build
+    waits while the builder lives and removes that file once it is gone."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory("conveyor_lock_test", False)) / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    assert not cpu_ops.clear_stale_lock("conveyor_lock_test") and lock.exists()  # a build may be running
-    assert cpu_ops.clear_stale_lock("conveyor_lock_test", now=time.time() + cpu_ops.STALE_LOCK_S + 1)
-    assert not lock.exists() and not cpu_ops.clear_stale_lock("conveyor_lock_test")
+    name = "conveyor_lock_test"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_BUILD_LOCK, name], env={**os.environ}, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "building"
+        lock = Path(_get_build_directory(name, False)) / "lock"
+        assert lock.exists()
+        entered = threading.Event()
+
+        def build() -> None:
+            with cpu_ops.build_lock(name):
+                entered.set()
+
+        waiter = threading.Thread(target=build)
+        waiter.start()
+        assert not entered.wait(1.0), "a live build is waited for"
+        holder.kill()
+        holder.wait()
+        assert entered.wait(10.0), "the killed build's lock is released with its process"
+        waiter.join()
+        assert not lock.exists()
+    finally:
+        holder.kill()
+
+
+HOLD_BUILD_LOCK = """
+import sys, time
+from pathlib import Path
+from torch.utils.cpp_extension import _get_build_directory
+from conveyor.kernels import cpu_ops
+with cpu_ops.build_lock(sys.argv[1]):
+    (Path(_get_build_directory(sys.argv[1], False)) / "lock").touch()  # what torch's FileBaton does
+    print("building", flush=True)
+    time.sleep(60)
+"""

@@ -6,6 +6,7 @@ from pydantic import ValidationError
 from conveyor.deployments.app import AppArgs
 from conveyor.deployments.disaggregation import can_hand_off
 from conveyor.deployments.protocol import GenerateRequest
+from conveyor.engine import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -36,4 +37,4 @@ def test_only_single_sequence_requests_are_handed_off() -> None:
     assert can_hand_off(GenerateRequest(prompts=[[1, 2]]))
     assert not can_hand_off(GenerateRequest(prompts=[[1, 2]], n=2))
     assert not can_hand_off(GenerateRequest(prompts=[[1], [2]]))
-    assert not can_hand_off(GenerateRequest(prompts=[[1]], sampling={"structured": {"json": {}}}))
+    assert not can_hand_off(GenerateRequest(prompts=[[1]], sampling=SamplingParams(structured={"json": {}})))
