@@ -58,6 +58,7 @@ class AdmissionController:
         self.num_routers = 1  # routers syncing with the actor, as its last snapshot said (router side)
         self.lease: dict[str, int] | None = None  # blocks this router may commit per replica (router side)
         self.lease_until = float("-inf")
+        self.synced_at: float | None = None  # router side: when the last snapshot was restored
         self.kv = KVIndex()
         self.hot = HotBlocks(self.config.hot_window_s)
 
@@ -125,7 +126,11 @@ class AdmissionController:
         return dead
 
     def fresh(self, entry: ReplicaEntry, now: float) -> bool:
-        return now - entry.received_at <= self.config.staleness_s
+        """The replica reported within staleness_s of the last look at it: on the actor, now; on a router, its
+        last sync, so that a router whose own loop lags behind a burst does not take its lag for the replicas'
+        silence (its reservations keep its view conservative meanwhile; past drop_after_s nothing is fresh)."""
+        at = now if self.synced_at is None else min(now, self.synced_at)
+        return at - entry.received_at <= self.config.staleness_s and now - entry.received_at <= self.config.drop_after_s
 
     def open(self, entry: ReplicaEntry, now: float) -> bool:
         return self.fresh(entry, now) and not entry.saturated
@@ -443,6 +448,7 @@ class AdmissionController:
         self.num_routers = max(1, int(snapshot.get("routers", 1)))
         self.lease = snapshot.get("lease")
         self.lease_until = (now if asked_at is None else asked_at) + self.config.lease_s
+        self.synced_at = now
         if "changes" in kv:
             self.kv.load(kv["changes"])
         for rid in list(self.book.held):

@@ -163,6 +163,7 @@ class AdmissionClient:
             except Exception as e:
                 self._actor, self.failed_at, self.error = None, self.clock(), e
                 self.controller.book.untake(taken)
+                self.controller.synced_at = None  # cut off: the view ages by the clock again (then fails open)
                 raise
             self.fetched_at = self.clock()
             self.controller.restore(snapshot, self.fetched_at, asked_at)
@@ -219,8 +220,16 @@ class AdmissionClient:
             self.quiet = False
             self._wake.set()
         now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
         reached = self.fetched_at > float("-inf")
+        if reached and self.failed_at <= self.fetched_at and now - self.fetched_at > self.controller.config.staleness_s:
+            # the view is older than staleness_s: this router's loop lagged (a burst), or its syncs stopped; one
+            # sync tells which (a failed one makes the view age by the clock, and the decision fail open)
+            try:
+                await self.refresh(unless_since=now)
+            except Exception:
+                pass
+            now = self.clock()
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
         if not d.admit and d.reason in ("no_replicas", "stale") and reached and self.failed_at > self.fetched_at:
             return self._fail_open(d, self.error)  # the background refresh keeps trying; requests don't wait on it
         # a router that never reached the actor is starting (its replicas came up after it), not cut off: sync first

@@ -3,7 +3,8 @@
 prompt's KV and first token and puts its KVHandoff in Ray's object store; the router streams that first token
 and hands the object's reference to a decode replica (chosen by KV headroom), which fetches the KV straight
 from the prefill replica's node, imports it and streams the rest. The client sees one stream.
-Requests that cannot be handed off (n > 1, several prompts, structured outputs) run whole on a prefill replica."""
+Requests that cannot be handed off (n > 1, several prompts, structured outputs, a LoRA adapter) run whole on a
+prefill replica."""
 
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
@@ -33,7 +34,8 @@ class Disaggregation(BaseModel):
 
 
 def can_hand_off(req: GenerateRequest) -> bool:
-    return req.n == 1 and len(req.prompts) == 1 and req.sampling.structured is None
+    """A LoRA request runs whole on a prefill replica: a KVHandoff carries no adapter."""
+    return req.n == 1 and len(req.prompts) == 1 and req.sampling.structured is None and req.lora is None
 
 
 class HandoffFailed(APIError):

@@ -4,6 +4,7 @@ execute -> update). It reports token ids only; text, stop strings and streams ar
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
-from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, export_handoff, import_handoff
+from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, check_handoff, export_handoff, import_handoff
 from conveyor.engine.core.kv_tiers import KVTiers, LoadCost
 from conveyor.engine.core.messages import AddRequest, CoreOutput
 from conveyor.engine.core.output_lengths import OutputLengths
@@ -54,6 +55,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._structured: "StructuredOutputManager | None" = None
         self.compiling: dict[str, tuple[Sequence, Future]] = {}
+        self.importing: deque[tuple[str, KVHandoff, int]] = deque()  # handoffs waiting for free blocks
         self._growth: tuple[float, tuple, int] = (float("-inf"), (), 0)
         self.reported: dict[str, int] = {}
         self.prefill_only: set[str] = set()  # unfinished prefill-only requests (kv_handoff.py)
@@ -108,6 +110,10 @@ class EngineCore:
         for rid, stop in zip(request_ids, stop_reasons or [None] * len(request_ids)):
             seq = self.scheduler.requests.get(rid) or self.compiling.pop(rid, (None, None))[0]
             if seq is None:
+                waiting = [w for w in self.importing if w[0] == rid]
+                if waiting:
+                    self.importing.remove(waiting[0])
+                    outputs.append(self._unstarted(rid, reason, stop))
                 continue
             end(seq, reason, stop)
             if seq.is_finished:
@@ -116,7 +122,7 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.compiling)
+        return self.scheduler.has_unfinished or bool(self.compiling) or bool(self.importing)
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Requests whose grammar is compiled join the scheduler; the rest wait here, so a slow compile holds
@@ -140,6 +146,8 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         start = time.perf_counter()
         failed = self._admit_compiled() if self.compiling else []
+        if self.importing:
+            failed += self._import_waiting()
         so = self.scheduler.schedule()
         if self._structured is not None and self._structured.matchers:
             so.grammar = self._structured.bitmask([c.req_id for c in so.chunks if c.sample])
@@ -179,10 +187,31 @@ class EngineCore:
 
     def import_request(self, request_id: str, handoff: KVHandoff) -> None:
         """Continues a request another engine prefilled (kv_handoff.import_handoff); its first output reports
-        only the tokens after the handoff's."""
-        seq = import_handoff(self, handoff, request_id)
-        self.reported[request_id] = seq.num_output_tokens
+        only the tokens after the handoff's. Its KV goes in once its blocks fit the free ones: handoffs wait
+        here in arrival order, imported before each step's schedule. ValueError (nothing changed) when it
+        never could (check_handoff)."""
+        blocks = check_handoff(self, handoff, request_id)
+        self.importing.append((request_id, handoff, blocks))
         self.num_added += 1
+        self._import_waiting()
+
+    def _import_waiting(self) -> list[CoreOutput]:
+        failed = []
+        while self.importing and self.importing[0][2] <= self.block_manager.num_free_blocks:
+            rid, handoff, _ = self.importing.popleft()
+            try:
+                seq = import_handoff(self, handoff, rid)
+            except ValueError as e:
+                failed.append(self._unstarted(rid, "error", str(e)))
+                continue
+            self.reported[rid] = seq.num_output_tokens
+        return failed
+
+    def _unstarted(self, request_id: str, reason: str, why: str | None = None) -> CoreOutput:
+        """The end of a handoff that never started here."""
+        self.num_finished += 1
+        self.num_aborted += reason == "abort"
+        return CoreOutput(request_id, [], finish_reason=reason, stop_reason=why)
 
     def _observe_load_cost(
         self, so: SchedulerOutput, ro: ModelRunnerOutput, step_s: float, prefill_tokens: int
@@ -257,7 +286,7 @@ class EngineCore:
         growth = self.growth_blocks()
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + len(self.compiling),
+            num_waiting=len(s.waiting) + len(self.compiling) + len(self.importing),
             num_waiting_tokens=waiting_tokens,
             num_swapped=len(s.swapped),
             kv_blocks_total=kv.num_blocks,

@@ -86,13 +86,12 @@ def export_handoff(core: "EngineCore", seq: Sequence) -> KVHandoff:
     )
 
 
-def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = None) -> Sequence:
-    """Allocates blocks for the handoff's KV, writes it, publishes its full blocks' prefix keys and runs the
-    request from its next decode step. ValueError (nothing changed) when the KV does not fit this engine's
-    layout or its free blocks."""
+def check_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = None) -> int:
+    """The blocks the handoff's KV needs here; ValueError when it does not fit this engine's layout, or is more
+    than its whole pool."""
     runner, kv, sched = _runner(core), core.block_manager, core.scheduler
     rid = request_id or h.request_id
-    if rid in sched.requests or rid in core.compiling:
+    if rid in sched.requests or rid in core.compiling or any(rid == w[0] for w in core.importing):
         raise ValueError(f"request_id {rid!r} is already running")
     if not h.output_token_ids:
         raise ValueError("KVHandoff.output_token_ids: a handoff carries at least the first token")
@@ -102,7 +101,18 @@ def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = No
         raise ValueError(f"KVHandoff.shape: {h.shape} {h.dtype} does not fit this engine's KV cache {want} {dtype}")
     if h.params.structured is not None:
         raise ValueError("KVHandoff.params: structured outputs are not handed off")
-    n = want[2]
+    if want[2] > kv.num_blocks:
+        raise ValueError(f"KVHandoff: {want[2]} blocks are more than this engine's {kv.num_blocks}")
+    return want[2]
+
+
+def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = None) -> Sequence:
+    """Allocates blocks for the handoff's KV, writes it, publishes its full blocks' prefix keys and runs the
+    request from its next decode step. ValueError (nothing changed) when the KV does not fit this engine's
+    layout or its free blocks."""
+    runner, kv, sched = _runner(core), core.block_manager, core.scheduler
+    rid = request_id or h.request_id
+    n = check_handoff(core, h, rid)
     if n > kv.num_free_blocks:
         raise ValueError(f"KVHandoff: {n} blocks do not fit the {kv.num_free_blocks} free blocks")
     seq = Sequence(rid, list(h.prompt_token_ids), h.params, priority=h.priority, cache_salt=h.cache_salt)

@@ -257,7 +257,13 @@ def test_snapshot_restore_rebases_ages():
     assert snap["totals"]["prefix_cache_hit_rate"] == 0.0
     router = AdmissionController.from_snapshot(snap, now=7.0)  # another host, another clock
     assert router.decide(1, now=7.0).replicas == ["b"]
-    assert router.decide(1, now=7.5).reason == "stale"  # b was 0.1 s old: stale 0.4 s later
+    # b was 0.1 s old at the sync: a router whose loop lags past staleness_s still judges it as of the sync ...
+    assert router.decide(1, now=7.5).replicas == ["b"]
+    assert router.decide(1, now=7.0 + 10.0).reason == "stale"  # ... up to drop_after_s
+    router.synced_at = None  # cut off from the actor (AdmissionClient.refresh failed): by the clock, stale
+    assert router.decide(1, now=7.5).reason == "stale"
+    late = AdmissionController.from_snapshot(actor.snapshot(now=101.0), now=7.0)  # b 0.7 s old at the actor
+    assert late.decide(1, now=7.0).reason == "stale"
     assert router.replicas["a"].saturated
 
 

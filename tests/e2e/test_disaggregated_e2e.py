@@ -9,11 +9,13 @@ import openai
 import pytest
 import ray
 from ray import serve
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from conveyor.deployments.protocol import GenerateRequest
-from conveyor.engine import SamplingParams
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.checkpoints.lora import write_random_adapter
 from conveyor.engine.checkpoints.model_source import resolve_model
+from conveyor.engine.lora_request import LoRARequest
 from tests.serve_app import App, serve_app, sse_events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -27,8 +29,15 @@ LONG = " ".join(f"word{i}" for i in range(60))  # > 32 tokens
 
 
 @pytest.fixture(scope="module")
-def app() -> Iterator[App]:
-    with serve_app(ARGS) as a:
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> str:
+    hf = AutoConfig.from_pretrained(resolve_model("demo:tiny"))
+    return str(write_random_adapter(tmp_path_factory.mktemp("adapter") / "x", hf, "demo:tiny", rank=8, seed=0))
+
+
+@pytest.fixture(scope="module")
+def app(adapter: str) -> Iterator[App]:
+    args = {**ARGS, "lora_modules": [{"name": "x", "path": adapter}], "engine": {**ARGS["engine"], "max_loras": 1}}
+    with serve_app(args) as a:
         yield a
 
 
@@ -81,6 +90,20 @@ def test_stream_is_one_stream(app: App) -> None:
         model="demo:tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0, stream=True
     )
     assert [c.choices[0].finish_reason for c in chat][-1] in ("length", "stop")
+    assert wait_for(pools_whole)
+
+
+def test_a_lora_request_runs_whole_with_its_adapter(app: App, adapter: str) -> None:
+    """A handoff carries no adapter: a LoRA request runs whole on a prefill replica, with the adapter."""
+    before = handle("Prefill").handoff_stats.remote().result()["handoffs"]
+    out = client(app).completions.create(
+        model="x", prompt=LONG, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    llm = LLM("demo:tiny", dtype="float32", max_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = llm.generate([LONG], params, use_tqdm=False, lora_request=LoRARequest("x", 1, adapter))[0].outputs[0].text
+    assert out.choices[0].text == want != colocated_text(app, LONG, 16)
+    assert handle("Prefill").handoff_stats.remote().result()["handoffs"] == before
     assert wait_for(pools_whole)
 
 

@@ -111,21 +111,54 @@ def test_first_token_that_finishes_needs_no_handoff(oracle) -> None:
     assert_no_leak(prefill)
 
 
-def test_import_that_does_not_fit_is_refused_and_changes_nothing(oracle) -> None:
+def test_import_that_could_never_fit_is_refused_and_changes_nothing(oracle) -> None:
     prompts, _ = oracle
     prefill = engine()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prefill.engine.add_request("p", prompts[3], params, prefill_only=True)
     h = run_all(prefill.engine)["p"].kv_handoff
     assert h.shape[2] == 7
-    wrong_layout, full = engine(block_size=8), engine(num_blocks=10)
-    full.engine.add_request("busy", prompts[3][:60], params)
-    full.engine.step()  # "busy" holds 4 of the 10 blocks
-    for decode, field in ((wrong_layout, "shape"), (full, "free blocks")):
+    for decode, field in (
+        (engine(block_size=8), "shape"),
+        (engine(num_blocks=6, max_model_len=256), "the cache holds 6"),
+    ):
         with pytest.raises(ValueError, match=field):
             decode.engine.import_request("d", h)
         assert "d" not in decode.engine.processor.requests
         run_all(decode.engine)
+        assert_no_leak(decode)
+
+
+@pytest.mark.parametrize("core_process", [False, True], ids=["in-process", "core-process"])
+def test_import_waits_for_free_blocks_in_order_and_an_abort_ends_it_there(oracle, core_process: bool) -> None:
+    """A decode engine whose free blocks are taken holds handoffs (FIFO) until they fit, rather than failing
+    them: each then decodes to transformers' tokens; one aborted while it waits ends at once, with nothing held."""
+    prompts, expected = oracle
+    prefill = engine()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i in (1, 2, 3):
+        prefill.engine.add_request(f"p{i}", prompts[i], params, prefill_only=True)
+    firsts = run_all(prefill.engine)
+    decode = engine(core_process, num_blocks=10)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    decode.engine.add_request("busy", prompts[3][:60], long)
+    decode.engine.step()  # "busy" holds 4 of the 10 blocks, then up to 8: no handoff below fits beside it
+    for i in (3, 1, 2):
+        decode.engine.import_request(f"d{i}", firsts[f"p{i}"].kv_handoff)
+    for _ in range(10):  # a core process's stats come with its next steps
+        decode.engine.step(timeout_s=1.0)
+        if decode.engine.stats().num_waiting == 3:
+            break
+    assert decode.engine.stats().num_waiting == 3
+    assert decode.engine.abort_request("d1").outputs[0].finish_reason == "abort"
+    outs = run_all(decode.engine)
+    assert [outs[f"d{i}"].outputs[0].token_ids for i in (3, 2)] == [expected[3], expected[2]]
+    assert outs["busy"].outputs[0].finish_reason == "length"
+    if core_process:
+        decode.engine.step(timeout_s=1.0)  # the stats after the last step
+        s = decode.engine.stats()
+        assert (s.num_running, s.num_waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
+    else:
         assert_no_leak(decode)
 
 

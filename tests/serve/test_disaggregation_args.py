@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from conveyor.deployments.app import AppArgs
 from conveyor.deployments.disaggregation import can_hand_off
-from conveyor.deployments.protocol import GenerateRequest
+from conveyor.deployments.protocol import GenerateRequest, LoRAModule
 from conveyor.engine import SamplingParams
 
 
@@ -38,3 +38,4 @@ def test_only_single_sequence_requests_are_handed_off() -> None:
     assert not can_hand_off(GenerateRequest(prompts=[[1, 2]], n=2))
     assert not can_hand_off(GenerateRequest(prompts=[[1], [2]]))
     assert not can_hand_off(GenerateRequest(prompts=[[1]], sampling=SamplingParams(structured={"json": {}})))
+    assert not can_hand_off(GenerateRequest(prompts=[[1]], lora=LoRAModule(name="a", path="/adapters/a")))
