@@ -52,7 +52,9 @@ class RoutingHint:
     prefix_hashes: tuple[bytes, ...] = ()
     num_prompt_blocks: int = 0
     replicas: tuple[str, ...] = ()
-    pressure: dict[str, float] = field(default_factory=dict)
+    kv_demand: dict[str, float] = field(
+        default_factory=dict
+    )  # admission's, per replica (AdmissionController.kv_demand)
     cached_blocks: dict[str, float] = field(default_factory=dict)  # credited: lower-tier blocks count part
     lora: str | None = None  # the LoRA adapter the request runs with, by name
 
@@ -62,7 +64,7 @@ class RoutingHint:
         token_ids: Sequence[int],
         block_size: int,
         replicas: Sequence[str] = (),
-        pressure: dict[str, float] | None = None,
+        kv_demand: dict[str, float] | None = None,
         salt: str | None = None,
         cached_blocks: dict[str, float] | None = None,
         keys: Sequence[bytes] | None = None,
@@ -75,7 +77,7 @@ class RoutingHint:
             tuple(keys),
             num_blocks(len(token_ids), block_size),
             tuple(replicas),
-            dict(pressure or {}),
+            dict(kv_demand or {}),
             dict(cached_blocks or {}),
             lora[0] if lora else None,
         )
@@ -198,12 +200,12 @@ class KVAwareRequestRouter(RequestRouter):
 
     def candidates(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None = None) -> list[Candidate]:
         out = []
-        cache, pressure = self.replica_queue_len_cache, getattr(hint, "pressure", None) or {}
+        cache, demand = self.replica_queue_len_cache, getattr(hint, "kv_demand", None) or {}
         for r in replicas:
             rid = r.replica_id.unique_id
             raw = r.routing_stats or {}
             stats = ReplicaStats.from_dict({**raw, "replica_id": rid}) if raw.get("kv_blocks_total") else None
-            out.append(Candidate(rid, stats, cache.get(r.replica_id), pressure.get(rid)))
+            out.append(Candidate(rid, stats, cache.get(r.replica_id), demand.get(rid)))
         return out
 
     def rank(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None) -> list[RunningReplica]:

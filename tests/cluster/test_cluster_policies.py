@@ -551,7 +551,7 @@ def test_kv_aware_request_router_smoke():
     assert asyncio.run(router.choose_replicas(reps, None))[0][0] is reps[0]
     reps[1].routing_stats = es(2, 3)  # above the high watermark: skipped despite affinity
     assert reps[1] not in [r[0] for r in asyncio.run(router.choose_replicas(reps, pr))]
-    pr.kwargs["routing_hint"] = RoutingHint.from_token_ids(list(range(64)), 16, pressure={"r2": 0.2})
+    pr.kwargs["routing_hint"] = RoutingHint.from_token_ids(list(range(64)), 16, kv_demand={"r2": 0.2})
     assert asyncio.run(router.choose_replicas(reps, pr))[0][0] is reps[1]  # admission's fresher view wins
     router.on_replica_actor_died(reps[1].replica_id)
     assert router.index.match("r2", hint.prefix_hashes) == 0 and "r2" not in router.saturated
