@@ -20,6 +20,7 @@ from conveyor.cluster.admission import AdmissionController, Decision
 from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.leases import Leases
 from conveyor.cluster.nodes import node_of_this_process
+from conveyor.cluster.reservations import ReservationReport
 from conveyor.cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
@@ -54,14 +55,13 @@ class AdmissionActor:
 
     def sync(
         self,
-        reservations: Sequence[tuple[str, float, int, int, tuple[bytes, ...]]] = (),
+        reservations: Sequence[ReservationReport] = (),
         kv_since: int | None = None,
         router_id: str | None = None,
         demand: int = 0,
         short: int = 0,
     ) -> dict[str, Any]:
-        """A router's refresh: takes its reservations since the last sync (replica, age s, blocks, requests,
-        keys), returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
+        """A router's refresh: takes its reservations since the last sync, returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
         "routers": how many routers synced in the last `ROUTER_TTL_S`, and for a router that names itself,
         "lease": its new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: what
         its request refused for want of lease needs)."""
@@ -69,8 +69,8 @@ class AdmissionActor:
         if router_id is not None:
             self.routers[router_id] = now
         self.routers = {r: t for r, t in self.routers.items() if now - t <= ROUTER_TTL_S}
-        for replica_id, age_s, blocks, requests, keys in reservations:
-            self.controller.reserve(replica_id, blocks, now - max(0.0, age_s), requests, keys)
+        for r in reservations:
+            self.controller.reserve(r.replica_id, r.blocks, now - max(0.0, r.age_s), r.requests, r.keys)
         snap = self.snapshot()
         snap["kv"] = self.controller.kv_snapshot(kv_since)
         snap["routers"] = max(1, len(self.routers))
@@ -156,7 +156,7 @@ class AdmissionClient:
                 if self._actor is None:
                     self._actor = await asyncio.wait_for(self._get_actor(), timeout=2.0)
                 asked_at = now = self.clock()
-                sent = [(r.replica_id, now - r.at, r.blocks, r.requests, r.keys) for r in taken]
+                sent = [r.report(now) for r in taken]
                 demand, short, self.demand, self.short = self.demand, self.short, 0, 0
                 call = self._actor.sync.remote(sent, self.kv_version, self.router_id, demand, short)
                 snapshot = await asyncio.wait_for(call, timeout=2.0)

@@ -22,6 +22,20 @@ class Reservation:
     requests: int = 1
     keys: tuple[bytes, ...] = ()
 
+    def report(self, now: float) -> "ReservationReport":
+        return ReservationReport(self.replica_id, max(0.0, now - self.at), self.blocks, self.requests, self.keys)
+
+
+@dataclass(frozen=True)
+class ReservationReport:
+    """A reservation as a router hands it to the admission actor: its age, not a time on the router's clock."""
+
+    replica_id: str
+    age_s: float
+    blocks: int
+    requests: int = 1
+    keys: tuple[bytes, ...] = ()
+
 
 @dataclass(frozen=True)
 class SettleRule:
