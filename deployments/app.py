@@ -19,7 +19,7 @@ from conveyor.deployments.http_guard import GuardConfig
 from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
 from conveyor.deployments.protocol import LoRAModule
 from conveyor.deployments.replica import ADMISSION_ACTOR, LLMReplica
-from conveyor.deployments.router import Router
+from conveyor.deployments.router import Router, RouterArgs
 from conveyor.deployments.tool_parsers import TOOL_PARSERS
 from conveyor.engine import EngineConfig
 
@@ -297,15 +297,17 @@ def build_app(args: AppArgs) -> Application:
     )
     return router.bind(
         replica,
-        args.model,
-        args.served_model_name,
-        args.admission is not None,
-        args.block_size,
-        args.revision,
-        args.template_text(),
-        args.tool_call_parser,
-        GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
-        [m.model_dump() for m in args.lora_modules],
+        RouterArgs(
+            args.model,
+            args.served_model_name,
+            args.admission is not None,
+            args.block_size,
+            args.revision,
+            args.template_text(),
+            args.tool_call_parser,
+            GuardConfig(args.api_key, args.max_body_bytes, args.protect_health_metrics),
+            tuple(args.lora_modules),
+        ),
         decode=decode,
     )
 

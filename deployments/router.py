@@ -3,6 +3,7 @@ import logging
 import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
@@ -72,6 +73,22 @@ def param_of(message: str) -> str | None:
     return m.group(1) if m else next((f for f in ("stop_token_ids", "max_tokens", "prompt") if f in message), None)
 
 
+@dataclass(frozen=True)
+class RouterArgs:
+    """What a Router is built from (deployments/app.py): the model it tokenises for, and its HTTP front's options.
+    admission: whether an admission actor decides (the replicas' deployment hosts it)."""
+
+    model: str
+    served_model_name: str | None = None
+    admission: bool = False
+    block_size: int = 16
+    revision: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    lora_modules: tuple[LoRAModule, ...] = ()
+
+
 @serve.deployment(name="Router", max_ongoing_requests=4096)
 @serve.ingress(app)
 class Router:
@@ -79,31 +96,20 @@ class Router:
     LLMReplica that the request router picks with the request's routing hint."""
 
     async def __init__(
-        self,
-        replica: DeploymentHandle,
-        model: str,
-        served_model_name: str | None = None,
-        admission: bool = False,
-        block_size: int = 16,
-        revision: str | None = None,
-        chat_template: str | None = None,
-        tool_call_parser: str = "hermes",
-        guard: GuardConfig | None = None,
-        lora_modules: list[dict[str, str]] | None = None,
-        decode: DeploymentHandle | None = None,
+        self, replica: DeploymentHandle, args: RouterArgs, decode: DeploymentHandle | None = None
     ) -> None:
         """decode: the decode replicas of a disaggregated app (`replica` then prefills: deployments/disaggregation.py)."""
         flush_at_warning()
-        HTTPGuard.config = (guard or GuardConfig()).with_env_key()
+        HTTPGuard.config = args.guard.with_env_key()
         self.replica, self.decode_replicas = replica, decode
         self.inbox = TokenInbox()
-        self.model_name = served_model_name or model
-        path = resolve_model(model, revision)
+        self.model_name = args.served_model_name or args.model
+        path = resolve_model(args.model, args.revision)
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoTokenizer would import torch
         self.generation_defaults = load_generation_defaults(path)
-        if chat_template is not None:
-            self.tokenizer.chat_template = chat_template
-        self.tool_parser = TOOL_PARSERS[tool_call_parser]()
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = args.chat_template
+        self.tool_parser = TOOL_PARSERS[args.tool_call_parser]()
         try:
             router_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
@@ -113,10 +119,10 @@ class Router:
         self.drain.watch(router_id)
         self._metrics_actor: Any = None
         self._info: dict[str, Any] | None = None
-        self.block_size = block_size
+        self.block_size = args.block_size
         # LoRA adapters by name (the request's `model`): the app's lora_modules, then this router's loads
-        self.loras = {m.name: m for m in map(LoRAModule.model_validate, lora_modules or [])}
-        self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if admission else None
+        self.loras = {m.name: m for m in args.lora_modules}
+        self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if args.admission else None
         if self.gate is not None:
             self.gate.start()
             self.metrics.queued.set_function(lambda: self.gate.queued)
