@@ -25,7 +25,7 @@ class KVEvents:
         return len(self.stored) + len(self.evicted) + len(self.offloaded)
 
     def add(self, key: bytes, place: Place) -> None:
-        {"pool": self.stored, "lower": self.offloaded, "none": self.evicted}[place].append(key)
+        (self.stored if place == "pool" else self.offloaded if place == "lower" else self.evicted).append(key)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stored": self.stored, "evicted": self.evicted, "offloaded": self.offloaded, "reset": self.reset}
