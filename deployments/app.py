@@ -136,7 +136,7 @@ class AppArgs(BaseModel):
         return self
 
     def _check_engine_options(self, name: str, options: dict[str, Any]) -> None:
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision", "hf_config", "model_path"}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: unknown engine option (known: {', '.join(sorted(known))})")

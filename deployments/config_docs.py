@@ -213,10 +213,11 @@ def sections() -> tuple[Section, ...]:
         ),
         Section(
             EngineConfig,
-            "`args.engine` takes every field except `model`, `revision`, `hf_config` and "
-            "`model_path` (the first two come from `args.model` and `args.revision`, the last two "
-            "are filled in by the engine). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. "
-            "A bad value raises ValueError naming the field.",
+            "`args.engine` takes every field except `model` and `revision` (they come from `args.model` "
+            "and `args.revision`). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. A bad value "
+            "raises ValueError naming the field. Building the config touches no file: the engine resolves "
+            "it when it starts (the model fetched or generated, every `auto` decided), and a value the "
+            "model refuses (a `max_model_len` above its limit) fails there, naming the field.",
         ),
         Section(
             SpeculativeConfig,

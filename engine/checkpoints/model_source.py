@@ -2,11 +2,17 @@
 
 from pathlib import Path
 
-from conveyor.engine.checkpoints.demo import demo_checkpoint, valid_demo_names
+from conveyor.engine.checkpoints.demo import demo_checkpoint, parse_demo_name, valid_demo_names
 from conveyor.engine.checkpoints.gguf import gguf_checkpoint
 from conveyor.engine.checkpoints.hub import hub_checkpoint, is_hub_id
 from conveyor.engine.checkpoints.smollm2 import NAME as SMOLLM2
 from conveyor.engine.checkpoints.smollm2 import smollm2_checkpoint
+
+
+def check_model_name(name: str) -> None:
+    """Refuses, without touching a file, a name no source could take: a demo name that does not parse."""
+    if name.startswith("demo:") and name != SMOLLM2:
+        parse_demo_name(name)
 
 
 def resolve_model(name: str, revision: str | None = None) -> str:
