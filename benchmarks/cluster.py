@@ -24,11 +24,11 @@ two-routers  the overload through 2 router replicas, KV cache the binding limit 
 """
 
 import argparse
-import shutil
 
 from benchmarks.cluster_overload import overload
 from benchmarks.cluster_routing import routing
 from benchmarks.cluster_setup import start_ray
+from benchmarks.local_ray import stop_local_ray
 from conveyor.deployments.ingress import haproxy_enabled
 
 
@@ -73,7 +73,6 @@ def main() -> None:
         help="Serve's HAProxy ingress (direct ingress to the routers) instead of Serve's proxy",
     )
     args = p.parse_args()
-    import ray
     from ray import serve
 
     url = start_ray(args)
@@ -87,9 +86,7 @@ def main() -> None:
         if args.scenario in ("two-routers", "all"):
             overload(url, args, routers=args.routers)
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(args.temp_dir, ignore_errors=True)
+        stop_local_ray(args.temp_dir)
 
 
 if __name__ == "__main__":

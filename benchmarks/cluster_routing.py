@@ -59,7 +59,7 @@ def routing(url: str, args: argparse.Namespace) -> None:
     admission = json.loads(args.admission)
     apps = {
         "kv": app_args(args, request_router=json.loads(args.router), admission=admission),
-        "p2c": app_args(args, request_router=None, admission=admission),
+        "p2c": app_args(args, request_router={"enabled": False}, admission=admission),
     }
     names = [a for a in ROUTERS if a in args.apps.split(",")]
     deploy(url, {a: apps[a] for a in names})

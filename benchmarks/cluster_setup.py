@@ -4,12 +4,12 @@ replicas each, the engine fields from the command line."""
 import argparse
 import json
 import socket
-import tempfile
 import time
 from typing import Any
 
 import httpx
 
+from benchmarks.local_ray import ray_temp_dir, start_local_ray
 from conveyor.deployments.ingress import use_haproxy
 
 
@@ -31,26 +31,14 @@ def wait_for_ports(ports: list[tuple[str, int]], timeout_s: float = 60.0) -> Non
 
 
 def start_ray(args: argparse.Namespace) -> str:
-    import ray
-    from ray import serve
     from ray.serve._private.constants import RAY_SERVE_HAPROXY_METRICS_PORT, RAY_SERVE_HAPROXY_STATS_PORT
 
     extra = [("0.0.0.0", RAY_SERVE_HAPROXY_STATS_PORT), ("0.0.0.0", RAY_SERVE_HAPROXY_METRICS_PORT)]
     wait_for_ports([("127.0.0.1", args.port), *(extra if args.haproxy else [])])
-    args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-cluster-", dir="/tmp")
+    args.temp_dir = ray_temp_dir("ray-bench-cluster-")
     use_haproxy(args.haproxy, args.temp_dir)
     print(f"ingress: {'HAProxy, direct to the router replicas' if args.haproxy else 'Serve proxy'}", flush=True)
-    ray.init(
-        address="local",
-        num_cpus=args.ray_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=args.temp_dir,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=256 * 2**20,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    return f"http://127.0.0.1:{args.port}"
+    return start_local_ray(args.ray_cpus, args.port, args.temp_dir)
 
 
 def app_args(args: argparse.Namespace, **over: Any) -> Any:

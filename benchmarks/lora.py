@@ -106,9 +106,8 @@ def loads(url: str, path: str) -> int:
 
 
 def routing(args: argparse.Namespace) -> None:
-    from ray import serve
-
     from benchmarks.cluster_setup import app_args, deploy, start_ray
+    from benchmarks.local_ray import stop_local_ray
 
     root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     adapters = write_adapters(args.model, 8, root)
@@ -147,7 +146,7 @@ def routing(args: argparse.Namespace) -> None:
             f"  {name:6s} TTFT p50 {percentile(ok, 0.5):6.3f} s  p99 {percentile(ok, 0.99):6.3f} s  "
             f"adapter loads {loaded[name]:4d}  ok {len(ok)}/{len(rs)}"
         )
-    serve.shutdown()
+    stop_local_ray(args.temp_dir)
 
 
 def main() -> None:

@@ -4,13 +4,12 @@ in a child process) and the bare Serve app that is their floor."""
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.local_ray import ray_temp_dir, start_local_ray, stop_local_ray
 from conveyor.deployments.ingress import haproxy_env
 
 SERVING = Path(__file__).resolve().with_name("serving.py")
@@ -91,20 +90,8 @@ def app_args(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def start_ray(args: argparse.Namespace, port: int) -> None:
-    import ray
-    from ray import serve
-
-    args.temp_dir = tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp")
-    ray.init(
-        address="local",
-        num_cpus=args.ray_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=args.temp_dir,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=256 * 2**20,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args.temp_dir = ray_temp_dir("ray-bench-")
+    start_local_ray(args.ray_cpus, port, args.temp_dir)
 
 
 def apps_of(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -125,12 +112,7 @@ def deploy_app(args: argparse.Namespace, prefix: str) -> str:
 
 
 def stop_ray(args: argparse.Namespace) -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
-    shutil.rmtree(args.temp_dir, ignore_errors=True)
+    stop_local_ray(args.temp_dir)
 
 
 def serve_haproxy(args: argparse.Namespace) -> None:

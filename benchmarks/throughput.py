@@ -123,8 +123,9 @@ def measure_fresh(
 
 def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: str, warmup: str = "short") -> dict:
     from conveyor.engine.config import EngineConfig
+    from conveyor.engine.resolved_config import resolve
 
-    cfg = EngineConfig(model=model, dtype=dtype)
+    cfg = resolve(EngineConfig(model=model, dtype=dtype))
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
     warm, warm_params = warmup_workload(n, seed, cfg.hf_config.vocab_size, warmup)
     spec = {
@@ -151,8 +152,9 @@ def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: s
 def transformers_run(model: str, dtype: str, n: int, seed: int) -> dict:
     from benchmarks.hf_static import measure_transformers
     from conveyor.engine.config import EngineConfig
+    from conveyor.engine.resolved_config import resolve
 
-    cfg = EngineConfig(model=model, dtype=dtype)
+    cfg = resolve(EngineConfig(model=model, dtype=dtype))
     prompts, params = workload(n, seed, cfg.hf_config.vocab_size)
     return measure_transformers(cfg.model_path, dtype, prompts, params)
 

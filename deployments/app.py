@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, DeploymentActorConfig, RequestRouterConfig
@@ -14,6 +14,7 @@ from conveyor.cluster.admission_actor import AdmissionActor
 from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.autoscaling import KVScalingConfig
 from conveyor.cluster.routing import RouterConfig
+from conveyor.deployments.cluster_args import RANKING, AdmissionArgs, RequestRouterArgs
 from conveyor.deployments.disaggregation import DECODE_ROUTER, Disaggregation
 from conveyor.deployments.http_guard import GuardConfig
 from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
@@ -77,8 +78,10 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
     kv_autoscaling: KVAutoscaling | None = None
-    admission: dict[str, Any] | None = {}
-    request_router: dict[str, Any] | None = {}
+    # the admission actor; `enabled: false`: none, every request goes straight to a replica
+    admission: AdmissionArgs = AdmissionArgs()
+    # the KV-aware request router; `enabled: false`: Ray Serve's default router. Its ranking weights are admission's too
+    request_router: RequestRouterArgs = RequestRouterArgs()
     request_routing_stats_period_s: float = Field(0.5, gt=0)
     stats_push_s: float = Field(0.1, gt=0, le=0.1)
     replica_num_cpus: float = Field(1.0, gt=0)
@@ -107,6 +110,14 @@ class AppArgs(BaseModel):
     # prefill and decode replicas instead of num_replicas colocated ones (deployments/disaggregation.py)
     disaggregation: Disaggregation | None = None
 
+    @field_validator("admission", mode="before")
+    @classmethod
+    def _ranking_is_the_routers(cls, value: Any) -> Any:
+        for name in RANKING:
+            if isinstance(value, dict) and name in value:
+                raise ValueError(f"admission.{name}: set it under request_router (admission ranks with its weights)")
+        return value
+
     @model_validator(mode="after")
     def _check_engine(self) -> "AppArgs":
         self._check_engine_options("engine", self.engine)
@@ -129,14 +140,12 @@ class AppArgs(BaseModel):
             )
             if self.kv_autoscaling.max_replicas < self.kv_autoscaling.min_replicas:
                 raise ValueError("kv_autoscaling.max_replicas: must be >= min_replicas")
-        if self.admission is not None:
-            check_fields("admission", AdmissionConfig, self.admission, ("block_size",))
-        if self.request_router is not None:
-            check_fields("request_router", RouterConfig, self.request_router, ("block_size",))
+        check_fields("admission", AdmissionConfig, self.admission_config())
+        check_fields("request_router", RouterConfig, self.router_config())
         return self
 
     def _check_engine_options(self, name: str, options: dict[str, Any]) -> None:
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision", "hf_config", "model_path"}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"{name}.{unknown[0]}: unknown engine option (known: {', '.join(sorted(known))})")
@@ -175,13 +184,13 @@ class AppArgs(BaseModel):
         return int(self.engine.get("block_size", 16))
 
     def admission_config(self) -> dict[str, Any]:
-        """Admission ranks replicas with the KV-aware router's weights, so it reserves where the router sends."""
-        weights = {
-            k: v
-            for k, v in (self.request_router or {}).items()
-            if k in ("affinity_weight", "headroom_weight", "queue_weight", "lora_affinity")
-        }
-        return {**weights, **(self.admission or {}), "block_size": self.block_size}
+        """AdmissionConfig's fields: admission's settings, request_router's ranking weights, engine's block_size."""
+        ranking = {k: getattr(self.request_router, k) for k in RANKING}
+        return {**self.admission.settings(), **ranking, "block_size": self.block_size}
+
+    def router_config(self) -> dict[str, Any]:
+        """RouterConfig's fields: request_router's settings and engine's block_size."""
+        return {**self.request_router.settings(), "block_size": self.block_size}
 
     def engine_config(self) -> dict[str, Any]:
         loras = {"max_loras": 1} if self.lora_modules and "max_loras" not in self.engine else {}
@@ -221,14 +230,14 @@ class AppArgs(BaseModel):
             opts.update(num_replicas="auto", autoscaling_config=scaling)
         else:
             opts["num_replicas"] = self.num_replicas
-        if self.request_router is not None:
+        if self.request_router.enabled:
             opts["request_router_config"] = RequestRouterConfig(
                 request_router_class="conveyor.cluster.routing:KVAwareRequestRouter",
-                request_router_kwargs={**self.request_router, "block_size": self.block_size},
+                request_router_kwargs=self.router_config(),
                 request_routing_stats_period_s=self.request_routing_stats_period_s,
                 request_routing_stats_timeout_s=max(2.0, 4 * self.request_routing_stats_period_s),
             )
-        if self.admission is not None:
+        if self.admission.enabled:
             opts["deployment_actors"] = [
                 DeploymentActorConfig(
                     name=ADMISSION_ACTOR,
@@ -244,10 +253,10 @@ def build_app(args: AppArgs) -> Application:
     """Router -> (one deployment handle call per request) -> LLMReplica; a stream's chunks come back over the
     token channel (deployments/token_channel.py)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    push = args.stats_push_s if args.admission is not None else 0.0
+    push = args.stats_push_s if args.admission.enabled else 0.0
     # an idle replica's last push, as a quiet router's view holds it (synced every staleness/3), stays under the
     # staleness bound with room for a late push
-    admission = AdmissionConfig(**args.admission_config()) if args.admission is not None else None
+    admission = AdmissionConfig(**args.admission_config()) if args.admission.enabled else None
     heartbeat = admission.staleness_s / 4 if admission is not None and admission.quiet_when_idle else 0.0
     replica_args = dict(
         engine_args=args.engine_config(),
@@ -270,10 +279,10 @@ def build_app(args: AppArgs) -> Application:
         prefill_options = {**options, "name": "LLMPrefill", "num_replicas": d.prefill_replicas}
         decode_options = {**options, "name": "LLMDecode", "num_replicas": d.decode_replicas}
         decode_options.pop("deployment_actors", None)
-        if args.request_router is not None:
+        if args.request_router.enabled:
             decode_options["request_router_config"] = RequestRouterConfig(
                 request_router_class="conveyor.cluster.routing:KVAwareRequestRouter",
-                request_router_kwargs={**args.request_router, **DECODE_ROUTER, "block_size": args.block_size},
+                request_router_kwargs={**args.router_config(), **DECODE_ROUTER},
                 request_routing_stats_period_s=args.request_routing_stats_period_s,
                 request_routing_stats_timeout_s=max(2.0, 4 * args.request_routing_stats_period_s),
             )
@@ -300,7 +309,7 @@ def build_app(args: AppArgs) -> Application:
         RouterArgs(
             args.model,
             args.served_model_name,
-            args.admission is not None,
+            args.admission.enabled,
             args.block_size,
             args.revision,
             args.template_text(),

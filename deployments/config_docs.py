@@ -115,7 +115,10 @@ def _constraints(info: Any) -> list[str]:
 
 
 def _default_text(src: _Source, stmt: ast.AnnAssign | None, value: Any) -> str:
-    """repr(value), plus the source expression where it is arithmetic (`8388608 (8 * 2**20)`)."""
+    """repr(value), plus the source expression where it is arithmetic (`8388608 (8 * 2**20)`); a pydantic model
+    left at its own defaults as `Name()`."""
+    if isinstance(value, BaseModel) and value == type(value)():
+        return f"{type(value).__name__}()"
     text = repr(value)
     expr = stmt.value if stmt is not None else None
     if isinstance(expr, ast.Call):  # field(default=...) or Field(default, ...)
@@ -213,10 +216,11 @@ def sections() -> tuple[Section, ...]:
         ),
         Section(
             EngineConfig,
-            "`args.engine` takes every field except `model`, `revision`, `hf_config` and "
-            "`model_path` (the first two come from `args.model` and `args.revision`, the last two "
-            "are filled in by the engine). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. "
-            "A bad value raises ValueError naming the field.",
+            "`args.engine` takes every field except `model` and `revision` (they come from `args.model` "
+            "and `args.revision`). Offline: `LLM(model, **fields)` or `EngineConfig(...)`. A bad value "
+            "raises ValueError naming the field. Building the config touches no file: the engine resolves "
+            "it when it starts (the model fetched or generated, every `auto` decided), and a value the "
+            "model refuses (a `max_model_len` above its limit) fails there, naming the field.",
         ),
         Section(
             SpeculativeConfig,
@@ -226,14 +230,16 @@ def sections() -> tuple[Section, ...]:
         ),
         Section(
             AdmissionConfig,
-            "`args.admission` (`null` turns admission off). `block_size` follows "
-            "`engine.block_size`; `affinity_weight`, `headroom_weight` and `queue_weight` "
-            "default to `args.request_router`'s.",
+            "`args.admission` (`AdmissionArgs`): these fields, less `block_size` (it follows "
+            "`engine.block_size`) and the ranking weights `affinity_weight`, `headroom_weight`, `queue_weight` "
+            "and `lora_affinity` (they are `args.request_router`'s, so admission reserves where the router "
+            "sends), plus `enabled` (default true; false: no admission actor).",
         ),
         Section(
             RouterConfig,
-            "`args.request_router`: the KV-aware request router (`null`: Ray Serve's default "
-            "router). `block_size` follows `engine.block_size`.",
+            "`args.request_router` (`RequestRouterArgs`): the KV-aware request router. These fields, less "
+            "`block_size` (it follows `engine.block_size`), plus `enabled` (default true; false: Ray Serve's "
+            "default router; admission still ranks with the weights set here).",
         ),
         Section(
             KVScalingConfig,

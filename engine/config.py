@@ -1,33 +1,19 @@
-import logging
+"""What the user asks of the engine. Building an EngineConfig checks its own fields and nothing else: no file,
+model or kernel is touched. The engine resolves it where it is built (engine/resolved_config.py: the model on disk,
+every "auto" decided), and errors that need the model are raised there, naming the field all the same."""
+
 import os
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
-from conveyor.engine.checkpoints.model_source import resolve_model
+from conveyor.engine.checkpoints.model_source import check_model_name
 from conveyor.engine.kv_offload import KVOffloadConfig
-from conveyor.engine.model.llama import ARCHITECTURES
-from conveyor.engine.model.parallel import check_shardable
-from conveyor.engine.model.rotary import check_rope
 from conveyor.engine.stats import DEFAULT_BLOCK_SIZE
 
-log = logging.getLogger("conveyor")
 # the core process's CPU priority against its front end (engine/process/core_priority.py)
 PRIORITIES = ("auto", "high", "low")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def sliding_window_of(config: PretrainedConfig) -> int | None:
-    """The attention window the config asks for (Mistral sliding_window; Qwen2/3 use_sliding_window with
-    layer_types from max_window_layers), or None."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(window)
 
 
 def _fail(name: str, message: str) -> None:
@@ -70,11 +56,11 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str = "demo:tiny"
+    model: str = "demo:tiny"  # a built-in name (demo:*), a checkpoint directory, a .gguf file or a Hub id
     revision: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
+    dtype: str = "auto"  # "auto": the checkpoint's (float32 where it names none)
+    device: str = "auto"  # "auto": cuda where torch sees a GPU, else cpu
+    max_model_len: int | None = None  # None: the model's limit, fitted to what the KV cache holds
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -94,6 +80,7 @@ class EngineConfig:
     adaptive_watermark: bool = False
     aging_rate: float = 1.0
     tensor_parallel_size: int = 1
+    # "auto": triton on cuda; on CPU the C++ kernels (cpu) for float32/bfloat16 where they build, else torch
     attention_backend: str = "auto"
     prepack_weights: bool = True  # CPU: linear weights in oneDNN's blocked layout (engine/model/linear.py)
     keep_freed_memory: bool = True  # CPU: glibc keeps freed activations for reuse (engine/execution/host_memory.py)
@@ -116,10 +103,16 @@ class EngineConfig:
         "conveyor.engine.execution.model_runner:ModelRunner"  # "module:Class", a ModelRunner (sub)class
     )
     check_invariants: bool = field(default_factory=lambda: os.environ.get("CONVEYOR_CHECK_INVARIANTS") == "1")
-    hf_config: PretrainedConfig | None = field(default=None, repr=False)
-    model_path: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            _fail("model", f"must be a non-empty string, got {self.model!r}")
+        try:
+            check_model_name(self.model)
+        except ValueError as e:
+            _fail("model", str(e))
+        if self.revision is not None and not isinstance(self.revision, str):
+            _fail("revision", f"must be a string or None, got {self.revision!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -167,13 +160,6 @@ class EngineConfig:
             _fail("kv_offload", "needs enable_prefix_caching (its tiers hold prefix-cached blocks)")
         if not isinstance(self.model_runner_cls, str) or self.model_runner_cls.count(":") != 1:
             _fail("model_runner_cls", f"must be 'module:Class', got {self.model_runner_cls!r}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.max_model_len_from_model = self.max_model_len is None
-        if self.hf_config is None:
-            self._load_model_config()
-        if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device == "cuda" else self._cpu_backend()
 
     def _check_speculative(self) -> None:
         if isinstance(self.speculative, dict):
@@ -193,68 +179,9 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             _fail("speculative", "is not implemented with tensor_parallel_size > 1")
 
-    def _cpu_backend(self) -> str:
-        from conveyor.kernels import cpu_ops
-
-        return "cpu" if self.dtype in ("float32", "bfloat16") and cpu_ops.load() is not None else "torch"
-
-    def _load_model_config(self) -> None:
-        self.model_path = resolve_model(self.model, self.revision)
-        config = AutoConfig.from_pretrained(self.model_path)
-        arch = (getattr(config, "architectures", None) or ["?"])[0]
-        if arch not in ARCHITECTURES:
-            _fail("model", f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
-        self.hf_config = config
-        if self.dtype == "auto":
-            dt = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-            self.dtype = dt.removeprefix("torch.") if dt.removeprefix("torch.") in DTYPES else "float32"
-        try:
-            check_shardable(config, self.tensor_parallel_size)
-        except ValueError as e:
-            _fail("tensor_parallel_size", f"cannot shard {self.model}: {e}")
-        try:
-            check_rope(config)
-        except ValueError as e:
-            _fail("model", f"{self.model}: {e}")
-        limit, window = config.max_position_embeddings, sliding_window_of(config)
-        if self.max_model_len is None:
-            self.max_model_len = limit if window is None else min(limit, window)
-            if self.max_model_len < limit:
-                log.info(
-                    "max_model_len %d: the model's sliding_window (sliding-window attention is not "
-                    "implemented; within one window attention is exact)",
-                    window,
-                )
-        elif self.max_model_len > limit:
-            _fail("max_model_len", f"({self.max_model_len}) exceeds the model's max_position_embeddings ({limit})")
-        elif window is not None and self.max_model_len > window:
-            _fail(
-                "max_model_len",
-                f"({self.max_model_len}) exceeds the model's sliding_window ({window}): "
-                f"sliding-window attention is not implemented, so only sequences within one "
-                f"window are served exactly; set max_model_len <= {window}",
-            )
-
-    def fit_max_model_len(self, num_blocks: int) -> None:
-        """A max_model_len taken from the model shrinks to what the KV cache can hold for one sequence."""
-        fits = num_blocks * self.block_size
-        if self.max_model_len_from_model and fits < self.max_model_len:
-            log.info(
-                "max_model_len %d (the KV cache's %d blocks of %d tokens), below the model's %d",
-                fits,
-                num_blocks,
-                self.block_size,
-                self.max_model_len,
-            )
-            self.max_model_len = fits
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
     def engine_options(self) -> dict:
         """The fields as plain values (JSON): what rebuilds this config in another process."""
-        options = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("hf_config", "model_path")}
+        options = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
         if self.speculative is not None:
             options["speculative"] = asdict(self.speculative)  # plain JSON for the core process
         if self.kv_offload is not None:

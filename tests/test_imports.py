@@ -140,6 +140,7 @@ ENGINE_LAYERS = {
     "lora_request": 0,
     "model": 1,
     "config": 2,
+    "resolved_config": 2,
     "kv_offload": 2,
     "step": 2,
     "execution": 3,

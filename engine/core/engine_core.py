@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
 from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, check_handoff, export_handoff, import_handoff
@@ -23,6 +22,7 @@ from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.step_trace import StepTrace
 from conveyor.engine.execution.executor import make_executor
 from conveyor.engine.model.llama import head_dim_of
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -34,7 +34,7 @@ log = logging.getLogger("conveyor")
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
+        self, config: ResolvedConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
     ) -> None:
         self.config = config
         self.executor = make_executor(config)

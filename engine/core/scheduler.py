@@ -6,7 +6,6 @@ subclass (engine/core/static_policy.py) by `scheduling_policy`."""
 import time
 from operator import attrgetter
 
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.invariants import check_invariants
 from conveyor.engine.core.lora_slots import LoRASlots
@@ -14,13 +13,14 @@ from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.spec_decode import SpecController
 from conveyor.engine.core.watermark import Watermark
 from conveyor.engine.execution.persistent_batch import PersistentBatch
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 
 _run_order = attrgetter("priority", "arrival_time")
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: BlockManager, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: ResolvedConfig, kv: BlockManager, eos_token_ids: set[int]) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = eos_token_ids
@@ -362,7 +362,7 @@ class Scheduler:
         return False
 
 
-def make_scheduler(config: EngineConfig, kv: BlockManager, eos_token_ids: set[int]) -> Scheduler:
+def make_scheduler(config: ResolvedConfig, kv: BlockManager, eos_token_ids: set[int]) -> Scheduler:
     """The scheduler of `config.scheduling_policy`."""
     if config.scheduling_policy == "static":
         from conveyor.engine.core.static_policy import StaticScheduler  # a subclass: imported here, not at the top

@@ -6,10 +6,10 @@ reported then."""
 
 from typing import NamedTuple
 
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 
@@ -22,7 +22,7 @@ class HeldFinish(NamedTuple):
 
 
 class StaticScheduler(Scheduler):
-    def __init__(self, config: EngineConfig, kv: BlockManager, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: ResolvedConfig, kv: BlockManager, eos_token_ids: set[int]) -> None:
         super().__init__(config, kv, eos_token_ids)
         self.batch: set[str] = set()  # request ids of the current batch
         self.held: dict[str, HeldFinish] = {}

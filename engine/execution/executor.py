@@ -3,14 +3,14 @@
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
-from conveyor.engine.config import EngineConfig
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from conveyor.engine.execution.model_runner import ModelRunner
 
 
-def runner_class(config: EngineConfig) -> type["ModelRunner"]:
+def runner_class(config: ResolvedConfig) -> type["ModelRunner"]:
     """EngineConfig.model_runner_cls, imported in whichever process builds the runner (core, TP worker)."""
     module, _, name = config.model_runner_cls.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -47,7 +47,7 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         self.runner = runner_class(config)(config)
         self.num_blocks = self.runner.available_blocks()
         self.num_swap_blocks = allocate_kv_cache(self.runner, self.num_blocks)
@@ -63,7 +63,7 @@ class LocalExecutor:
         close_kv_tiers(self.runner)
 
 
-def make_executor(config: EngineConfig) -> Executor:
+def make_executor(config: ResolvedConfig) -> Executor:
     if config.tensor_parallel_size == 1:
         return LocalExecutor(config)
     from conveyor.engine.execution.tp_executor import TPExecutor

@@ -9,7 +9,6 @@ import torch
 
 from conveyor.engine.checkpoints.loader import load_weights
 from conveyor.engine.checkpoints.lora import read_adapter
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.host_memory import keep_freed_memory
 from conveyor.engine.execution.kv_tier_store import KVTierStore
 from conveyor.engine.execution.model_inputs import ModelInputs, prepare_inputs
@@ -22,6 +21,7 @@ from conveyor.engine.model.linear import pack_weights
 from conveyor.engine.model.llama import LlamaForCausalLM, head_dim_of
 from conveyor.engine.model.lora import LoRAModel
 from conveyor.engine.model.parallel import tp_rank
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.stats import cdiv
 from conveyor.engine.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
@@ -42,7 +42,7 @@ def _is_prefill(c: ScheduledChunk) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
         if config.keep_freed_memory and self.device.type == "cpu":

@@ -19,10 +19,10 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.executor import allocate_kv_tiers
 from conveyor.engine.execution.worker import RankInfo, StepReply, Worker, pack, recv_exact, recv_msg
 from conveyor.engine.model.parallel import check_shardable
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("conveyor")
@@ -36,7 +36,7 @@ class TPExecutor:
     health_timeout_s: float = 5.0
     worker_num_cpus: float = 1.0
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         n = config.tensor_parallel_size
         check_shardable(config.hf_config, n)
         self.size, self.cuda = n, config.device == "cuda"
@@ -90,7 +90,7 @@ class TPExecutor:
             )
         return placed
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: ResolvedConfig) -> None:
         remote = ray.remote(Worker)
         for rank, (bundle, res) in enumerate(self._placement()):
             cpus = res.get("CPU", 0.0)

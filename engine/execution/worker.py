@@ -15,8 +15,8 @@ from datetime import timedelta
 
 import torch
 
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.execution.executor import allocate_kv_cache, close_kv_tiers, runner_class
+from conveyor.engine.resolved_config import ResolvedConfig
 
 HEADER = struct.Struct("<Q")
 
@@ -96,7 +96,7 @@ class Worker:
         )
         return self.store.port
 
-    def init_model(self, config: EngineConfig, host: str, port: int, timeout_s: float) -> RankInfo:
+    def init_model(self, config: ResolvedConfig, host: str, port: int, timeout_s: float) -> RankInfo:
         import torch.distributed as dist
 
         if self.store is None:

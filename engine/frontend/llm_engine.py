@@ -19,11 +19,12 @@ from conveyor.engine.frontend.outputs import RequestOutput
 from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.process.core_client import InprocClient, MPClient
 from conveyor.engine.process.heap import freeze_startup_heap
+from conveyor.engine.resolved_config import ResolvedConfig, resolve
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.stats import EngineStats
 
 
-def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase, defaults: GenerationDefaults) -> set[int]:
+def eos_token_ids(config: ResolvedConfig, tokenizer: PreTrainedTokenizerBase, defaults: GenerationDefaults) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos = getattr(config.hf_config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -32,7 +33,9 @@ def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase, defa
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, engine_core_process: bool = False) -> None:
-        self.config = config
+        """Resolves the config (engine/resolved_config.py: the model on disk, every "auto" decided): the one place
+        in this process where a config does I/O."""
+        self.config = config = resolve(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.generation_defaults = load_generation_defaults(config.model_path)
         self.vocab_size = config.hf_config.vocab_size

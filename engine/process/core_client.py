@@ -13,7 +13,6 @@ import torch
 import zmq
 from transformers import PreTrainedTokenizerBase
 
-from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.kv_events import KVEventLog, KVEvents, Place
 from conveyor.engine.core.messages import (
     AddRequest,
@@ -27,6 +26,7 @@ from conveyor.engine.core.messages import (
     ImportRequest,
     Shutdown,
 )
+from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.stats import EngineStats
 
 READY_TIMEOUT_S = 300.0
@@ -72,7 +72,7 @@ class InprocClient:
     """The core runs in the caller's thread: get_outputs() is the core's step."""
 
     def __init__(
-        self, config: EngineConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
+        self, config: ResolvedConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
     ) -> None:
         from conveyor.engine.core.engine_core import EngineCore
 
@@ -118,7 +118,7 @@ class MPClient:
     get_outputs belongs to one reader thread. The process's death is seen at once through a pidfd."""
 
     def __init__(
-        self, config: EngineConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
+        self, config: ResolvedConfig, eos_token_ids: set[int], tokenizer: PreTrainedTokenizerBase | None = None
     ) -> None:
         self.codec, self.lock = Codec(), threading.Lock()
         self.dir = tempfile.mkdtemp(prefix="conveyor-core-")

@@ -47,8 +47,9 @@ def serve_core(
         from conveyor.engine.config import EngineConfig
         from conveyor.engine.core.engine_core import EngineCore
         from conveyor.engine.process.heap import freeze_startup_heap
+        from conveyor.engine.resolved_config import resolve
 
-        config = EngineConfig(**options)
+        config = resolve(EngineConfig(**options))
         core = EngineCore(config, eos_token_ids)
         priority = CorePriority(config.core_process_priority, threads)
         priority.refresh()  # after the model: torch's threads exist

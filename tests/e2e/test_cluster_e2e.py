@@ -182,7 +182,8 @@ def test_kv_pressure_scales_1_to_2_and_idle_back_to_1(cluster: SimpleNamespace) 
 def test_shared_prefixes_stick_to_one_replica_at_the_oracle_hit_rate(cluster: SimpleNamespace) -> None:
     engine = {**ENGINE, "num_blocks": 256}
     run_apps(
-        kv={"engine": engine, "num_replicas": 2}, p2c={"engine": engine, "num_replicas": 2, "request_router": None}
+        kv={"engine": engine, "num_replicas": 2},
+        p2c={"engine": engine, "num_replicas": 2, "request_router": {"enabled": False}},
     )
     rng = random.Random(1)
     systems = [tokens(rng, 160) for _ in range(3)]

@@ -446,7 +446,7 @@ def test_sigint_on_serve_run_cuts_requests_in_flight(cluster: SimpleNamespace, t
         tmp_path,
         cluster.port,
         "cut",
-        {**APP, "admission": None, "engine": {**APP["engine"], "model_runner_cls": PACED}},
+        {**APP, "admission": {"enabled": False}, "engine": {**APP["engine"], "model_runner_cls": PACED}},
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.serve.scripts", "run", "--address", cluster.address, str(path)],

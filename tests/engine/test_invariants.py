@@ -1,6 +1,8 @@
 """engine/core/invariants.py: the debug mode passes real workloads (preemption in both modes, prefix-cache hits)
 and catches each kind of corruption of the block pool, the tables, the swap slots and the persistent batch."""
 
+from dataclasses import replace
+
 import pytest
 
 from conveyor.engine import LLM, SamplingParams
@@ -9,11 +11,12 @@ from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.invariants import InvariantError, check_invariants
 from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.core.sequence import Sequence
+from conveyor.engine.resolved_config import resolve
 from conveyor.engine.step import ModelRunnerOutput
 from tests.helpers import assert_no_leak
 
 EOS = 2
-BASE = EngineConfig(model="demo:tiny")
+BASE = resolve(EngineConfig(model="demo:tiny", attention_backend="torch"))
 
 
 def step(sched: Scheduler, token: int = 20) -> None:
@@ -24,15 +27,7 @@ def step(sched: Scheduler, token: int = 20) -> None:
 
 def busy_scheduler(mode: str = "recompute", swap_blocks: int = 0) -> Scheduler:
     """Three requests sharing a 2-block prefix on a 12-block cache, stepped until one is preempted."""
-    cfg = EngineConfig(
-        model="demo:tiny",
-        block_size=4,
-        max_model_len=256,
-        preemption_mode=mode,
-        hf_config=BASE.hf_config,
-        model_path=BASE.model_path,
-        check_invariants=True,
-    )
+    cfg = replace(BASE, block_size=4, max_model_len=256, preemption_mode=mode, check_invariants=True)
     sched = Scheduler(cfg, BlockManager(12, 4, True, swap_blocks), {EOS})
     shared = list(range(10, 18))
     for i in range(3):

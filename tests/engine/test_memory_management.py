@@ -4,6 +4,7 @@ tests check greedy outputs on demo:llama-tiny."""
 
 import random
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -13,19 +14,18 @@ from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.core.sequence import Sequence
 from conveyor.engine.core.watermark import Watermark
+from conveyor.engine.resolved_config import resolve
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 from tests.helpers import assert_no_leak
 
 EOS = 2
-BASE = EngineConfig(model="demo:tiny")
+BASE = resolve(EngineConfig(model="demo:tiny", attention_backend="torch"))
 MODEL = "demo:llama-tiny"
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, swap_blocks: int = 0, **options: object) -> Scheduler:
     options = {"enable_prefix_caching": True, "max_model_len": 2048, **options}
-    cfg = EngineConfig(
-        model="demo:tiny", block_size=block_size, hf_config=BASE.hf_config, model_path=BASE.model_path, **options
-    )
+    cfg = replace(BASE, block_size=block_size, **options)
     kv = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching, swap_blocks)
     return Scheduler(cfg, kv, {EOS})
 

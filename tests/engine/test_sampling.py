@@ -247,10 +247,24 @@ def test_bad_engine_config_names_the_field() -> None:
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"scheduling_policy": "fifo"}, "scheduling_policy"),
         ({"attention_backend": "cuda"}, "attention_backend"),
-        ({"model": "demo:huge"}, "demo"),
-        ({"max_model_len": 10**6}, "max_model_len"),
+        ({"model": "demo:huge"}, "EngineConfig.model unknown demo model"),
         ({"max_prefill_tokens_while_decoding": -1}, "max_prefill_tokens_while_decoding"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
     ]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
+
+
+def test_config_errors_that_need_the_model_name_the_field_at_resolution() -> None:
+    from conveyor.engine import EngineConfig
+    from conveyor.engine.resolved_config import resolve
+
+    for kwargs, field in [
+        ({"max_model_len": 10**6}, r"EngineConfig.max_model_len \(1000000\) exceeds the model's max_position"),
+        ({"tensor_parallel_size": 3}, "EngineConfig.tensor_parallel_size cannot shard demo:tiny"),
+    ]:
+        config = EngineConfig(model="demo:tiny", **kwargs)
+        with pytest.raises(ValueError, match=field):
+            resolve(config)
+        with pytest.raises(ValueError, match=field):
+            LLM(config.model, **kwargs)

@@ -1,5 +1,7 @@
 """Property tests of scheduler + block pool with random arrivals, lengths and aborts."""
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -7,11 +9,12 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.scheduler import Scheduler, make_scheduler
 from conveyor.engine.core.sequence import Sequence
+from conveyor.engine.resolved_config import resolve
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.step import ModelRunnerOutput
 
 EOS = 2
-BASE = EngineConfig(model="demo:tiny")
+BASE = resolve(EngineConfig(model="demo:tiny", attention_backend="torch"))
 
 request = st.tuples(
     st.integers(0, 30),  # arrival step
@@ -35,8 +38,8 @@ def simulate(
     threshold: int,
     decode_cap: int = 0,
 ) -> None:
-    cfg = EngineConfig(
-        model="demo:tiny",
+    cfg = replace(
+        BASE,
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         block_size=block_size,
@@ -44,8 +47,6 @@ def simulate(
         enable_prefix_caching=caching,
         preemption_mode=mode,
         long_prefill_token_threshold=threshold,
-        hf_config=BASE.hf_config,
-        model_path=BASE.model_path,
         max_model_len=2048,
         max_prefill_tokens_while_decoding=decode_cap,
     )
@@ -122,7 +123,7 @@ def test_scheduler_invariants(
 
 
 def test_prefill_cap_applies_only_while_a_sequence_decodes() -> None:
-    cfg = EngineConfig(model="demo:tiny", max_num_batched_tokens=64, max_prefill_tokens_while_decoding=16)
+    cfg = replace(BASE, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=16)
     idle = Scheduler(cfg, BlockManager(64, 16, False), {EOS})
     idle.add(Sequence("a", [10] * 100, SamplingParams(max_tokens=5)))
     assert [len(c.token_ids) for c in idle.schedule().chunks] == [64], "nothing decodes: the whole budget"
@@ -134,7 +135,7 @@ def test_prefill_cap_applies_only_while_a_sequence_decodes() -> None:
 
 
 def test_preemption_victim_goes_back_first_and_keeps_tokens() -> None:
-    cfg = EngineConfig(model="demo:tiny", block_size=4, enable_prefix_caching=False)
+    cfg = replace(BASE, block_size=4, enable_prefix_caching=False)
     kv = BlockManager(6, 4, False)
     sched = Scheduler(cfg, kv, {EOS})
     a = Sequence("a", [10] * 8, SamplingParams(max_tokens=12), arrival_time=1.0)
@@ -168,7 +169,7 @@ def _step(sched: Scheduler) -> list[str]:
 
 
 def test_watermark_holds_back_admission_only_while_others_run() -> None:
-    cfg = EngineConfig(model="demo:tiny", block_size=4, watermark=0.5)
+    cfg = replace(BASE, block_size=4, watermark=0.5)
     kv = BlockManager(8, 4, False)
     sched = Scheduler(cfg, kv, {EOS})
     sched.add(Sequence("big", [10] * 20, SamplingParams(max_tokens=8)))
@@ -183,7 +184,7 @@ def test_watermark_holds_back_admission_only_while_others_run() -> None:
 def test_static_policy_runs_batches_in_lockstep() -> None:
     """Request-level batching: a new batch starts only when the previous one is done, and a member
     that finishes early keeps its slot (decoding padding) until the longest member finishes."""
-    cfg = EngineConfig(model="demo:tiny", scheduling_policy="static", max_num_seqs=2)
+    cfg = replace(BASE, scheduling_policy="static", max_num_seqs=2)
     sched = make_scheduler(cfg, BlockManager(64, 16, False), {EOS})
     a = Sequence("a", [10] * 5, SamplingParams(max_tokens=1))
     b = Sequence("b", [10] * 5, SamplingParams(max_tokens=6))

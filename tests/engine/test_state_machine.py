@@ -3,6 +3,8 @@ prefixes, salts and priorities, engine steps, aborts and forced preemptions (rec
 order. After every rule engine/core/invariants.py checks the pool, the tables, the swap slots and a real
 PersistentBatch kept as the model runner keeps it; at the end every request finishes and the pool is whole."""
 
+from dataclasses import replace
+
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -13,11 +15,12 @@ from conveyor.engine.core.invariants import check_invariants
 from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.execution.persistent_batch import PersistentBatch
+from conveyor.engine.resolved_config import resolve
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
-BASE = EngineConfig(model="demo:tiny")
+BASE = resolve(EngineConfig(model="demo:tiny", attention_backend="torch"))
 MAX_MODEL_LEN = 512
 PREFIXES = [[(13 * j + 7 * g) % 90 + 10 for j in range(48)] for g in range(3)]
 
@@ -48,8 +51,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold: int,
         partials: int,
     ) -> None:
-        cfg = EngineConfig(
-            model="demo:tiny",
+        cfg = replace(
+            BASE,
             max_num_batched_tokens=budget,
             max_num_seqs=max_seqs,
             block_size=block_size,
@@ -59,8 +62,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill_token_threshold=threshold,
             max_num_partial_prefills=partials,
             max_model_len=MAX_MODEL_LEN,
-            hf_config=BASE.hf_config,
-            model_path=BASE.model_path,
             check_invariants=True,
         )
         self.kv = BlockManager(num_blocks, block_size, caching, swap_blocks if mode == "swap" else 0)

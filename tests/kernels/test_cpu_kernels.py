@@ -297,10 +297,12 @@ def test_each_isa_is_its_own_module_named_by_isa_and_digest() -> None:
 
 def test_auto_backend_on_cpu_is_the_cpp_kernels_except_float16() -> None:
     from conveyor.engine.config import EngineConfig
+    from conveyor.engine.resolved_config import resolve
 
-    assert EngineConfig(model="demo:tiny", dtype="float32").attention_backend == "cpu"
-    assert EngineConfig(model="demo:tiny", dtype="bfloat16").attention_backend == "cpu"
-    assert EngineConfig(model="demo:tiny", dtype="float16").attention_backend == "torch"
+    assert EngineConfig(model="demo:tiny", dtype="float32").attention_backend == "auto"
+    assert resolve(EngineConfig(model="demo:tiny", dtype="float32")).attention_backend == "cpu"
+    assert resolve(EngineConfig(model="demo:tiny", dtype="bfloat16")).attention_backend == "cpu"
+    assert resolve(EngineConfig(model="demo:tiny", dtype="float16")).attention_backend == "torch"
 
 
 def test_kernels_run_on_every_torch_thread_and_bind_one_per_core(tmp_path: Path) -> None:

@@ -1,11 +1,14 @@
 import asyncio
 import json
+from dataclasses import asdict
 
 import pytest
 from pydantic import ValidationError
 
 import conveyor.deployments.app as apps
 import conveyor.deployments.router as router_module
+from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.api_error import APIError
 from conveyor.deployments.protocol import Delta, GenerateRequest
 from conveyor.deployments.request_models import ChatCompletionRequest, CompletionRequest
@@ -205,6 +208,10 @@ def test_app_args_fail_naming_the_field() -> None:
         ({"admission": {"high_watermark": 0.5, "low_watermark": 0.8}}, "admission.low_watermark"),
         ({"admission": {"hot_fraction": 2}}, "admission.hot_fraction"),
         ({"request_router": {"affinity": 1}}, "request_router.affinity"),
+        ({"request_router": {"block_size": 32}}, "request_router.block_size"),
+        ({"admission": {"affinity_weight": 2.0}}, "admission.affinity_weight: set it under request_router"),
+        ({"admission": None}, "admission"),
+        ({"admission": {"enabled": "sometimes"}}, "admission.enabled"),
         ({"kv_autoscaling": {"policy": {"tolerance": 2}}}, "kv_autoscaling.policy.tolerance"),
         ({"kv_autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "kv_autoscaling.max_replicas"),
         ({"kv_autoscaling": {}, "autoscaling": {"max_replicas": 2}}, "autoscaling"),
@@ -249,10 +256,16 @@ def test_cluster_layer_options() -> None:
     assert isinstance(policy, KVCacheAutoscalingPolicy) and policy.config.target_kv_utilization == 0.6
     router = opts["request_router_config"]
     assert router.request_router_class == "conveyor.cluster.routing:KVAwareRequestRouter"
-    assert router.request_router_kwargs == {"affinity_weight": 2.0, "block_size": 32}
+    assert router.request_router_kwargs == {**asdict(RouterConfig()), "affinity_weight": 2.0, "block_size": 32}
     (actor,) = opts["deployment_actors"]
-    assert actor.name == "admission" and actor.init_kwargs == {"config": {"affinity_weight": 2.0, "block_size": 32}}
+    admission = {**asdict(AdmissionConfig()), "affinity_weight": 2.0, "block_size": 32}
+    assert actor.name == "admission" and actor.init_kwargs == {"config": admission}
     slo = apps.AppArgs(admission={"max_queue_time_s": 2.0}).replica_options()["deployment_actors"][0]
     assert slo.init_kwargs["config"]["max_queue_time_s"] == 2.0
-    bare = apps.AppArgs(admission=None, request_router=None).replica_options()
+    off = {"enabled": False}
+    bare = apps.AppArgs(admission=off, request_router=off).replica_options()
     assert "request_router_config" not in bare and "deployment_actors" not in bare and bare["num_replicas"] == 1
+    # admission ranks with request_router's weights, whether or not the KV-aware router is on
+    blind = apps.AppArgs(request_router={"enabled": False, "queue_weight": 0.9, "lora_affinity": False})
+    (actor,) = blind.replica_options()["deployment_actors"]
+    assert actor.init_kwargs["config"]["queue_weight"] == 0.9 and actor.init_kwargs["config"]["lora_affinity"] is False

@@ -31,7 +31,9 @@ def test_the_app_is_a_router_bound_to_a_replica() -> None:
     assert replica._bound_deployment.init_kwargs["engine_core_process"] is True
     assert replica._bound_deployment.init_kwargs["stream_interval"] == 4
     assert replica._bound_deployment.init_kwargs["heartbeat_s"] == 0.0  # pushes every stats_push_s, idle or not
-    quiet = build_app(AppArgs(admission=None))._bound_deployment.init_args[0]._bound_deployment.init_kwargs
+    quiet = (
+        build_app(AppArgs(admission={"enabled": False}))._bound_deployment.init_args[0]._bound_deployment.init_kwargs
+    )
     assert quiet["stats_push_s"] == quiet["heartbeat_s"] == 0.0
     quiet_idle = build_app(AppArgs(admission={"quiet_when_idle": True}))._bound_deployment.init_args[0]
     assert quiet_idle._bound_deployment.init_kwargs["heartbeat_s"] == 0.5 / 4  # idle: a quarter of staleness_s
