@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.stats import num_blocks
 from conveyor.deployments.api_error import APIError
+from conveyor.deployments.kv_autoscaling import KVAutoscaling
 from conveyor.deployments.protocol import Chunk, GenerateRequest
 
 if TYPE_CHECKING:
@@ -30,13 +31,20 @@ DECODE_ROUTER = {"affinity_weight": 0.0, "headroom_weight": 1.0, "queue_weight":
 class Disaggregation(BaseModel):
     """App argument `disaggregation`: prefill and decode replicas instead of `num_replicas` colocated ones.
     transfer: how the KV moves (object_store: Ray's object store, fetched by the decode replica from the
-    prefill replica's node). decode_engine: engine options of the decode replicas over `engine`."""
+    prefill replica's node). decode_engine: engine options of the decode replicas over `engine`. Each role has a
+    fixed replica count or its own autoscaling."""
 
     model_config = ConfigDict(extra="forbid")
     prefill_replicas: int = Field(1, ge=1)  # replicas that compute prompts' KV and first tokens (admission's)
     decode_replicas: int = Field(1, ge=1)  # replicas that import the KV and stream the rest (routed by KV headroom)
     transfer: Literal["object_store"] = "object_store"  # Ray's object store, fetched from the prefill replica's node
     decode_engine: dict[str, Any] = {}  # engine options of the decode replicas over `args.engine`
+    # prefill replicas autoscaled on the prompt tokens queued at them (policy: PrefillScalingConfig's fields), from
+    # `min_replicas` instead of prefill_replicas
+    prefill_autoscaling: KVAutoscaling | None = None
+    # decode replicas autoscaled on KV demand, handoffs waiting for room included (policy: KVScalingConfig's
+    # fields), from `min_replicas` instead of decode_replicas
+    decode_autoscaling: KVAutoscaling | None = None
 
 
 def can_hand_off(req: GenerateRequest) -> bool:

@@ -616,7 +616,7 @@ def test_autoscaling_metrics_from_stats():
     """Autoscaling reads the blocks committed (held, waiting prompts', likely growth), not only those held."""
     s = EngineStats(num_waiting=3, num_waiting_tokens=20, kv_blocks_total=10, kv_blocks_free=4, num_growth_blocks=1)
     m = autoscaling_metrics(s)  # 6 held + 2 for the 20 waiting prompt tokens + 1 of growth, not 6
-    assert m == {"kv_demand": pytest.approx(0.9), "num_waiting": 3.0}
+    assert m == {"kv_demand": pytest.approx(0.9), "num_waiting": 3.0, "num_waiting_tokens": 20.0}
     assert all(isinstance(v, float) for v in m.values())
 
 
