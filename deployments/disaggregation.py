@@ -83,8 +83,9 @@ async def disaggregated_stream(
     router: "Router", req: GenerateRequest, hint: RoutingHint, received_at: float
 ) -> AsyncIterator[Chunk]:
     """The prefill replica's chunk (the first token, or the whole answer when that token finishes it), then the
-    decode replica's. A failed prefill fails as a colocated request does; a failed transfer or a decode replica
-    lost or refusing ends the request with HandoffFailed. Either way no blocks stay behind: the prefill replica
+    decode replica's. A failed prefill fails as a colocated request does; a decode replica lost or refusing before
+    its first token is replaced (module docstring); a failed transfer, or a handoff no decode replica took, ends
+    the request with HandoffFailed naming every try's error. Either way no blocks stay behind: the prefill replica
     freed its own when it exported them, and the decode replica's go with its request (or its process)."""
     call = router.replica.prefill.remote(req, routing_hint=hint, received_at=received_at)
     router.drain.track(call)
@@ -101,6 +102,7 @@ async def disaggregated_stream(
 
     blocks = num_blocks(len(req.prompts[0]) + 1, router.block_size)
     refused: list[str] = []
+    errors: list[str] = []
     for attempt in range(MAX_DECODE_TRIES):
         # a try of its own on the token channel: a lost replica's chunks still in flight reach no one
         try_req = req if attempt == 0 else req.model_copy(update={"request_id": f"{req.request_id}-try{attempt}"})
@@ -118,8 +120,9 @@ async def disaggregated_stream(
         except Exception as e:
             e = cause(e)
             why = retry_reason(e)
+            errors.append(repr(e))
             if streamed or why is None or attempt == MAX_DECODE_TRIES - 1:
-                raise HandoffFailed(repr(e)) from None
+                raise HandoffFailed("; ".join(errors)) from None
             if isinstance(e, HandoffRefused):
                 refused.append(e.replica)
             router.metrics.handoff_retries.labels(reason=why).inc()
