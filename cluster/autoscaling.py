@@ -23,7 +23,7 @@ policy runs in the Serve controller, which receives this module by value: it imp
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from conveyor.cluster.rules import check_rules
 
@@ -33,6 +33,16 @@ if TYPE_CHECKING:
 DEMAND_METRIC = "kv_demand"
 WAITING_METRIC = "num_waiting"
 WAITING_TOKENS_METRIC = "num_waiting_tokens"
+
+
+def band_and_delay_rules(cfg: "KVScalingConfig | PrefillScalingConfig") -> dict[str, tuple[bool, str]]:
+    """The rules both policies' configs share: dead band, delays, bounds."""
+    return {
+        "tolerance": (0.0 <= cfg.tolerance < 1.0, "must be in [0, 1)"),
+        "upscale_delay_s": (cfg.upscale_delay_s >= 0, "must be >= 0"),
+        "downscale_delay_s": (cfg.downscale_delay_s >= 0, "must be >= 0"),
+        "min_replicas": (0 <= cfg.min_replicas <= cfg.max_replicas, "need 0 <= min_replicas <= max_replicas"),
+    }
 
 
 @dataclass(frozen=True)
@@ -48,13 +58,9 @@ class KVScalingConfig:
     def __post_init__(self) -> None:
         rules = {
             "target_kv_utilization": (0.0 < self.target_kv_utilization <= 1.0, "must be in (0, 1]"),
-            "tolerance": (0.0 <= self.tolerance < 1.0, "must be in [0, 1)"),
             "target_waiting_per_replica": (self.target_waiting_per_replica > 0, "must be > 0"),
-            "upscale_delay_s": (self.upscale_delay_s >= 0, "must be >= 0"),
-            "downscale_delay_s": (self.downscale_delay_s >= 0, "must be >= 0"),
-            "min_replicas": (0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"),
         }
-        check_rules(rules)
+        check_rules({**rules, **band_and_delay_rules(self)})
 
 
 @dataclass(frozen=True)
@@ -70,14 +76,9 @@ class PrefillScalingConfig:
     max_replicas: int = 8
 
     def __post_init__(self) -> None:
-        rules = {
-            "target_waiting_tokens": (self.target_waiting_tokens > 0, "must be > 0"),
-            "tolerance": (0.0 <= self.tolerance < 1.0, "must be in [0, 1)"),
-            "upscale_delay_s": (self.upscale_delay_s >= 0, "must be >= 0"),
-            "downscale_delay_s": (self.downscale_delay_s >= 0, "must be >= 0"),
-            "min_replicas": (0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"),
-        }
-        check_rules(rules)
+        check_rules(
+            {"target_waiting_tokens": (self.target_waiting_tokens > 0, "must be > 0"), **band_and_delay_rules(self)}
+        )
 
 
 def autoscaling_metrics(stats: "EngineStats") -> dict[str, float]:
@@ -161,25 +162,9 @@ class KVCacheAutoscalingPolicy:
     def __init__(self, **kwargs: Any):
         self.config = self.config_class(**kwargs)
 
-    def desired(
-        self,
-        current: int,
-        metrics: dict[str, dict[str, float]],
-        running: list[Any],
-        cfg: Any,
-        state: dict[str, Any],
-        now: float,
-    ) -> int:
-        util = metrics.get(DEMAND_METRIC, {})
-        wait = metrics.get(WAITING_METRIC, {})
-        return desired_replicas(
-            current,
-            [float(util[r]) for r in running if r in util],
-            [float(wait[r]) for r in running if r in wait],
-            cfg,
-            state,
-            now,
-        )
+    def desired(self, current: int, reported: Callable[[str], list[float]], cfg: Any, state: dict, now: float) -> int:
+        """reported(metric): one value per running replica that reported it."""
+        return desired_replicas(current, reported(DEMAND_METRIC), reported(WAITING_METRIC), cfg, state, now)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         cfg = replace(
@@ -189,10 +174,13 @@ class KVCacheAutoscalingPolicy:
         )
         state = dict(ctx.policy_state or {})
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        n = self.desired(
-            ctx.target_num_replicas, ctx.aggregated_metrics or {}, list(ctx.running_replicas), cfg, state, now
-        )
-        return n, state
+        metrics, running = ctx.aggregated_metrics or {}, list(ctx.running_replicas)
+
+        def reported(name: str) -> list[float]:
+            values = metrics.get(name, {})
+            return [float(values[r]) for r in running if r in values]
+
+        return self.desired(ctx.target_num_replicas, reported, cfg, state, now), state
 
 
 class PrefillAutoscalingPolicy(KVCacheAutoscalingPolicy):
@@ -200,14 +188,5 @@ class PrefillAutoscalingPolicy(KVCacheAutoscalingPolicy):
 
     config_class = PrefillScalingConfig
 
-    def desired(
-        self,
-        current: int,
-        metrics: dict[str, dict[str, float]],
-        running: list[Any],
-        cfg: Any,
-        state: dict[str, Any],
-        now: float,
-    ) -> int:
-        tokens = metrics.get(WAITING_TOKENS_METRIC, {})
-        return desired_prefill_replicas(current, [float(tokens[r]) for r in running if r in tokens], cfg, state, now)
+    def desired(self, current: int, reported: Callable[[str], list[float]], cfg: Any, state: dict, now: float) -> int:
+        return desired_prefill_replicas(current, reported(WAITING_TOKENS_METRIC), cfg, state, now)
