@@ -23,7 +23,7 @@ policy runs in the Serve controller, which receives this module by value: it imp
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from conveyor.cluster.rules import check_rules
 
@@ -32,6 +32,17 @@ if TYPE_CHECKING:
 
 DEMAND_METRIC = "kv_demand"
 WAITING_METRIC = "num_waiting"
+WAITING_TOKENS_METRIC = "num_waiting_tokens"
+
+
+def band_and_delay_rules(cfg: "KVScalingConfig | PrefillScalingConfig") -> dict[str, tuple[bool, str]]:
+    """The rules both policies' configs share: dead band, delays, bounds."""
+    return {
+        "tolerance": (0.0 <= cfg.tolerance < 1.0, "must be in [0, 1)"),
+        "upscale_delay_s": (cfg.upscale_delay_s >= 0, "must be >= 0"),
+        "downscale_delay_s": (cfg.downscale_delay_s >= 0, "must be >= 0"),
+        "min_replicas": (0 <= cfg.min_replicas <= cfg.max_replicas, "need 0 <= min_replicas <= max_replicas"),
+    }
 
 
 @dataclass(frozen=True)
@@ -47,18 +58,36 @@ class KVScalingConfig:
     def __post_init__(self) -> None:
         rules = {
             "target_kv_utilization": (0.0 < self.target_kv_utilization <= 1.0, "must be in (0, 1]"),
-            "tolerance": (0.0 <= self.tolerance < 1.0, "must be in [0, 1)"),
             "target_waiting_per_replica": (self.target_waiting_per_replica > 0, "must be > 0"),
-            "upscale_delay_s": (self.upscale_delay_s >= 0, "must be >= 0"),
-            "downscale_delay_s": (self.downscale_delay_s >= 0, "must be >= 0"),
-            "min_replicas": (0 <= self.min_replicas <= self.max_replicas, "need 0 <= min_replicas <= max_replicas"),
         }
-        check_rules(rules)
+        check_rules({**rules, **band_and_delay_rules(self)})
+
+
+@dataclass(frozen=True)
+class PrefillScalingConfig:
+    """desired = ceil(n * mean_waiting_tokens / target_waiting_tokens) outside a dead band of +-tolerance around
+    the target; delays and bounds as KVScalingConfig's."""
+
+    target_waiting_tokens: float = 1024.0  # prompt tokens queued per prefill replica the deployment is sized for
+    tolerance: float = 0.1
+    upscale_delay_s: float = 0.0
+    downscale_delay_s: float = 30.0
+    min_replicas: int = 1
+    max_replicas: int = 8
+
+    def __post_init__(self) -> None:
+        check_rules(
+            {"target_waiting_tokens": (self.target_waiting_tokens > 0, "must be > 0"), **band_and_delay_rules(self)}
+        )
 
 
 def autoscaling_metrics(stats: "EngineStats") -> dict[str, float]:
     """What a replica's `record_autoscaling_stats` returns."""
-    return {DEMAND_METRIC: float(stats.kv_demand), WAITING_METRIC: float(stats.num_waiting)}
+    return {
+        DEMAND_METRIC: float(stats.kv_demand),
+        WAITING_METRIC: float(stats.num_waiting),
+        WAITING_TOKENS_METRIC: float(stats.num_waiting_tokens),
+    }
 
 
 def _after_delay(state: dict[str, Any], key: str, other: str, delay_s: float, now: float) -> bool:
@@ -94,6 +123,13 @@ def desired_replicas(
             )
         elif mean_util < target * (1 - cfg.tolerance) and n >= current:
             want = math.ceil(n * mean_util / target - 1e-9)
+    return settle(want, current, cfg, state, now)
+
+
+def settle(
+    want: int, current: int, cfg: "KVScalingConfig | PrefillScalingConfig", state: dict[str, Any], now: float
+) -> int:
+    """`want` within the bounds, taken once its direction has persisted for its delay."""
     want = max(cfg.min_replicas, min(cfg.max_replicas, want))
     if want > current:
         return want if _after_delay(state, "kv_up_since", "kv_down_since", cfg.upscale_delay_s, now) else current
@@ -104,17 +140,33 @@ def desired_replicas(
     return current
 
 
+def desired_prefill_replicas(
+    current: int, waiting_tokens: Sequence[float], cfg: PrefillScalingConfig, state: dict[str, Any], now: float
+) -> int:
+    """As desired_replicas, on one queued-prompt-tokens value per reporting prefill replica."""
+    n, want = len(waiting_tokens), current
+    if n:
+        mean, target = sum(waiting_tokens) / n, cfg.target_waiting_tokens
+        if mean > target * (1 + cfg.tolerance):
+            want = max(current, math.ceil(n * mean / target - 1e-9))
+        elif mean < target * (1 - cfg.tolerance) and n >= current:
+            want = math.ceil(n * mean / target - 1e-9)
+    return settle(want, current, cfg, state, now)
+
+
 class KVCacheAutoscalingPolicy:
     """Class-callable `AutoscalingPolicy.policy_function`; Ray 2.60 builds it once with policy_kwargs."""
 
+    config_class: type = KVScalingConfig
+
     def __init__(self, **kwargs: Any):
-        self.config = KVScalingConfig(**kwargs)
+        self.config = self.config_class(**kwargs)
+
+    def desired(self, current: int, reported: Callable[[str], list[float]], cfg: Any, state: dict, now: float) -> int:
+        """reported(metric): one value per running replica that reported it."""
+        return desired_replicas(current, reported(DEMAND_METRIC), reported(WAITING_METRIC), cfg, state, now)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        metrics = ctx.aggregated_metrics or {}
-        util = metrics.get(DEMAND_METRIC, {})
-        wait = metrics.get(WAITING_METRIC, {})
-        running = list(ctx.running_replicas)
         cfg = replace(
             self.config,
             min_replicas=ctx.capacity_adjusted_min_replicas,
@@ -122,12 +174,19 @@ class KVCacheAutoscalingPolicy:
         )
         state = dict(ctx.policy_state or {})
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        n = desired_replicas(
-            ctx.target_num_replicas,
-            [float(util[r]) for r in running if r in util],
-            [float(wait[r]) for r in running if r in wait],
-            cfg,
-            state,
-            now,
-        )
-        return n, state
+        metrics, running = ctx.aggregated_metrics or {}, list(ctx.running_replicas)
+
+        def reported(name: str) -> list[float]:
+            values = metrics.get(name, {})
+            return [float(values[r]) for r in running if r in values]
+
+        return self.desired(ctx.target_num_replicas, reported, cfg, state, now), state
+
+
+class PrefillAutoscalingPolicy(KVCacheAutoscalingPolicy):
+    """A disaggregated app's prefill replicas: on the prompt tokens queued at them (PrefillScalingConfig)."""
+
+    config_class = PrefillScalingConfig
+
+    def desired(self, current: int, reported: Callable[[str], list[float]], cfg: Any, state: dict, now: float) -> int:
+        return desired_prefill_replicas(current, reported(WAITING_TOKENS_METRIC), cfg, state, now)

@@ -57,6 +57,7 @@ class RoutingHint:
     )  # admission's, per replica (AdmissionController.kv_demand)
     cached_blocks: dict[str, float] = field(default_factory=dict)  # credited: lower-tier blocks count part
     lora: str | None = None  # the LoRA adapter the request runs with, by name
+    exclude: tuple[str, ...] = ()  # replicas not to route to (they refused it), unless no other is left
 
     @classmethod
     def from_token_ids(
@@ -210,6 +211,8 @@ class KVAwareRequestRouter(RequestRouter):
 
     def rank(self, replicas: Sequence[RunningReplica], hint: RoutingHint | None) -> list[RunningReplica]:
         self._ensure_state()
+        excluded = set(getattr(hint, "exclude", ()))
+        replicas = [r for r in replicas if r.replica_id.unique_id not in excluded] or replicas
         by_id = {r.replica_id.unique_id: r for r in replicas}
         scored = score_replicas(
             self.candidates(replicas, hint),

@@ -12,11 +12,12 @@ from ray.serve.handle import DeploymentHandle
 
 from conveyor.cluster.admission_actor import AdmissionActor
 from conveyor.cluster.admission_config import AdmissionConfig
-from conveyor.cluster.autoscaling import KVScalingConfig
+from conveyor.cluster.autoscaling import KVScalingConfig, PrefillScalingConfig
 from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.cluster_args import RANKING, AdmissionArgs, RequestRouterArgs
 from conveyor.deployments.disaggregation import DECODE_ROUTER, Disaggregation
 from conveyor.deployments.http_guard import GuardConfig
+from conveyor.deployments.kv_autoscaling import KV_POLICY, PREFILL_POLICY, KVAutoscaling
 from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
 from conveyor.deployments.protocol import LoRAModule
 from conveyor.deployments.replica import ADMISSION_ACTOR, LLMReplica
@@ -25,28 +26,6 @@ from conveyor.deployments.tool_parsers import TOOL_PARSERS
 from conveyor.engine import EngineConfig
 
 CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")
-
-
-class KVAutoscaling(BaseModel):
-    """Replica autoscaling on KV-cache demand (EngineStats.kv_demand): Ray's autoscaling_config around
-    conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy, whose own delays replace Ray's (set to 0)."""
-
-    model_config = ConfigDict(extra="forbid")
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(2, ge=1)
-    initial_replicas: int | None = Field(None, ge=1)
-    look_back_period_s: float = Field(10.0, gt=0)
-    metrics_interval_s: float = Field(1.0, gt=0)
-    policy: dict[str, float] = {}
-
-    def config(self) -> AutoscalingConfig:
-        policy = {
-            "policy_function": "conveyor.cluster.autoscaling:KVCacheAutoscalingPolicy",
-            "policy_kwargs": self.policy,
-        }
-        return AutoscalingConfig(
-            **self.model_dump(exclude={"policy"}), upscale_delay_s=0, downscale_delay_s=0, policy=policy
-        )
 
 
 def check_fields(name: str, cls: type, kwargs: dict[str, Any], exclude: tuple[str, ...] = ()) -> None:
@@ -60,6 +39,12 @@ def check_fields(name: str, cls: type, kwargs: dict[str, Any], exclude: tuple[st
     except (TypeError, ValueError) as e:
         field, _, rule = str(e).partition(": ")
         raise ValueError(f"{name}.{field}: {rule}" if field in known else f"{name}: {e}") from None
+
+
+def check_autoscaling(name: str, a: KVAutoscaling, policy_config: type) -> None:
+    check_fields(f"{name}.policy", policy_config, a.policy, ("min_replicas", "max_replicas"))
+    if a.max_replicas < a.min_replicas:
+        raise ValueError(f"{name}.max_replicas: must be >= min_replicas")
 
 
 class AppArgs(BaseModel):
@@ -135,11 +120,7 @@ class AppArgs(BaseModel):
         if self.autoscaling is not None and self.kv_autoscaling is not None:
             raise ValueError("autoscaling: set autoscaling or kv_autoscaling, not both")
         if self.kv_autoscaling is not None:
-            check_fields(
-                "kv_autoscaling.policy", KVScalingConfig, self.kv_autoscaling.policy, ("min_replicas", "max_replicas")
-            )
-            if self.kv_autoscaling.max_replicas < self.kv_autoscaling.min_replicas:
-                raise ValueError("kv_autoscaling.max_replicas: must be >= min_replicas")
+            check_autoscaling("kv_autoscaling", self.kv_autoscaling, KVScalingConfig)
         check_fields("admission", AdmissionConfig, self.admission_config())
         check_fields("request_router", RouterConfig, self.router_config())
         return self
@@ -164,7 +145,14 @@ class AppArgs(BaseModel):
             if int(options.get("tensor_parallel_size", 1)) != 1:
                 raise ValueError(f"{name}.tensor_parallel_size: disaggregation hands off KV at tensor_parallel_size 1")
         if self.autoscaling is not None or self.kv_autoscaling is not None:
-            raise ValueError("disaggregation: sets the replica counts; not with autoscaling or kv_autoscaling")
+            raise ValueError(
+                "disaggregation: sets the replica counts; not with autoscaling or kv_autoscaling (use "
+                "disaggregation.prefill_autoscaling and decode_autoscaling)"
+            )
+        if d.prefill_autoscaling is not None:
+            check_autoscaling("disaggregation.prefill_autoscaling", d.prefill_autoscaling, PrefillScalingConfig)
+        if d.decode_autoscaling is not None:
+            check_autoscaling("disaggregation.decode_autoscaling", d.decode_autoscaling, KVScalingConfig)
 
     def template_file(self) -> Path | None:
         """chat_template as a file: the name of a template shipped in deployments/chat_templates, or a path."""
@@ -249,6 +237,13 @@ class AppArgs(BaseModel):
         return opts
 
 
+def role_replicas(count: int, scaling: KVAutoscaling | None, policy_function: str) -> dict[str, Any]:
+    """A disaggregated role's replica options: its fixed count, or its own autoscaling."""
+    if scaling is None:
+        return {"num_replicas": count}
+    return {"num_replicas": "auto", "autoscaling_config": scaling.config(policy_function)}
+
+
 def build_app(args: AppArgs) -> Application:
     """Router -> (one deployment handle call per request) -> LLMReplica; a stream's chunks come back over the
     token channel (deployments/token_channel.py)."""
@@ -276,8 +271,16 @@ def build_app(args: AppArgs) -> Application:
         from conveyor.deployments.disaggregated_replica import DisaggregatedReplica  # imports the engine
 
         options = args.replica_options()
-        prefill_options = {**options, "name": "LLMPrefill", "num_replicas": d.prefill_replicas}
-        decode_options = {**options, "name": "LLMDecode", "num_replicas": d.decode_replicas}
+        prefill_options = {
+            **options,
+            "name": "LLMPrefill",
+            **role_replicas(d.prefill_replicas, d.prefill_autoscaling, PREFILL_POLICY),
+        }
+        decode_options = {
+            **options,
+            "name": "LLMDecode",
+            **role_replicas(d.decode_replicas, d.decode_autoscaling, KV_POLICY),
+        }
         decode_options.pop("deployment_actors", None)
         if args.request_router.enabled:
             decode_options["request_router_config"] = RequestRouterConfig(

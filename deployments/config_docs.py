@@ -189,7 +189,7 @@ def table(cls: type) -> str:
 def sections() -> tuple[Section, ...]:
     # imported here: deployments.app pulls in Ray Serve and the engine config pulls in torch
     from conveyor.cluster.admission_config import AdmissionConfig
-    from conveyor.cluster.autoscaling import KVScalingConfig
+    from conveyor.cluster.autoscaling import KVScalingConfig, PrefillScalingConfig
     from conveyor.cluster.routing import RouterConfig
     from conveyor.deployments.app import AppArgs, KVAutoscaling
     from conveyor.deployments.disaggregation import Disaggregation
@@ -207,12 +207,15 @@ def sections() -> tuple[Section, ...]:
         Section(
             Disaggregation,
             "`args.disaggregation`: prefill/decode disaggregation (docs/disaggregation.md); it replaces "
-            "`num_replicas` and is refused with autoscaling or tensor_parallel_size > 1.",
+            "`num_replicas` and is refused with `autoscaling`, `kv_autoscaling` (each role has its own: "
+            "`prefill_autoscaling`, `decode_autoscaling`) or tensor_parallel_size > 1.",
         ),
         Section(
             KVAutoscaling,
             "`args.kv_autoscaling`: replica autoscaling on KV-cache demand (set it or "
-            "`autoscaling`, not both). `policy` takes the fields of KVScalingConfig below.",
+            "`autoscaling`, not both). `policy` takes the fields of KVScalingConfig below. The same type is "
+            "`args.disaggregation.decode_autoscaling` (KVScalingConfig) and `prefill_autoscaling` "
+            "(PrefillScalingConfig).",
         ),
         Section(
             EngineConfig,
@@ -244,6 +247,11 @@ def sections() -> tuple[Section, ...]:
         Section(
             KVScalingConfig,
             "`args.kv_autoscaling.policy`; `min_replicas` and `max_replicas` come from `args.kv_autoscaling`.",
+        ),
+        Section(
+            PrefillScalingConfig,
+            "`args.disaggregation.prefill_autoscaling.policy`: the prefill replicas scale on the prompt tokens "
+            "queued at them; `min_replicas` and `max_replicas` come from `prefill_autoscaling`.",
         ),
         Section(
             GuardConfig,

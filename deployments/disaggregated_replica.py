@@ -11,9 +11,11 @@ import ray
 from ray import serve
 
 from conveyor.cluster.routing import RoutingHint
+from conveyor.deployments.disaggregation import HandoffRefused
 from conveyor.deployments.protocol import Chunk, Delta, GenerateRequest
 from conveyor.deployments.replica import LLMReplica
 from conveyor.engine.core.kv_handoff import KVHandoff
+from conveyor.engine.frontend.async_engine import RequestFailed
 
 
 @serve.deployment(name="LLMDisaggregated", max_ongoing_requests=1024, health_check_period_s=5)
@@ -22,6 +24,7 @@ class DisaggregatedReplica(LLMReplica.func_or_class):
         await super().__init__(**kwargs)
         self.handoffs: dict[str, tuple[KVHandoff, int]] = {}
         self.num_handoffs, self.handoff_bytes, self.handoff_fetch_s = 0, 0, 0.0
+        self.num_imports, self.num_refused = 0, 0  # handoffs this replica took in / refused (decode role)
 
     async def prefill(
         self, req: GenerateRequest, routing_hint: RoutingHint | None = None, received_at: float | None = None
@@ -66,14 +69,22 @@ class DisaggregatedReplica(LLMReplica.func_or_class):
         routing_hint: RoutingHint | None = None,
         received_at: float | None = None,
     ) -> Chunk:
-        """generate_to for a request a prefill replica started: its KV comes from the object store."""
+        """generate_to for a request a prefill replica started: its KV comes from the object store. HandoffRefused
+        when this replica cannot take it (its import check or limits; or the router tried it already, named in
+        `routing_hint.exclude`, and no other decode replica was left to route to)."""
+        if self.replica_id in getattr(routing_hint, "exclude", ()):
+            raise HandoffRefused(self.replica_id, "tried already for this request")
         start = time.perf_counter()
         h: KVHandoff = await handoff["ref"][0]
         self.handoff_fetch_s += time.perf_counter() - start
         rid = f"{req.request_id}-0"
         self.handoffs[rid] = (h, handoff["text_len"])
+        self.num_imports += 1
         try:
             return await self.generate_to(req, routing_hint, received_at)
+        except (ValueError, RequestFailed) as e:
+            self.num_refused += 1
+            raise HandoffRefused(self.replica_id, str(e)) from None
         finally:
             self.handoffs.pop(rid, None)
 
@@ -83,5 +94,16 @@ class DisaggregatedReplica(LLMReplica.func_or_class):
         h, text_len = self.handoffs[request_id]
         return {"handoff": h}, text_len, len(h.output_token_ids)
 
-    def handoff_stats(self) -> dict[str, float]:
-        return {"handoffs": self.num_handoffs, "bytes": self.handoff_bytes, "fetch_s": self.handoff_fetch_s}
+    def handoff_stats(self, routing_hint: RoutingHint | None = None) -> dict[str, Any]:
+        """routing_hint: a caller may address a replica (`replicas=(id,)`); `decoding`: handoffs in progress;
+        `engine`: the engine's stats."""
+        return {
+            "replica": self.replica_id,
+            "handoffs": self.num_handoffs,
+            "bytes": self.handoff_bytes,
+            "fetch_s": self.handoff_fetch_s,
+            "imports": self.num_imports,
+            "refused": self.num_refused,
+            "decoding": len(self.handoffs),
+            "engine": self.stats(),
+        }

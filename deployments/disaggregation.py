@@ -4,7 +4,12 @@ prompt's KV and first token and puts its KVHandoff in Ray's object store; the ro
 and hands the object's reference to a decode replica (chosen by KV headroom), which fetches the KV straight
 from the prefill replica's node, imports it and streams the rest. The client sees one stream.
 Requests that cannot be handed off (n > 1, several prompts, structured outputs, a LoRA adapter) run whole on a
-prefill replica."""
+prefill replica.
+
+A decode replica that refuses the handoff (HandoffRefused: its import check, its limits) or is lost before the
+router has passed on any of its tokens is replaced: the same handoff (still in the object store) goes to another
+decode replica, each replica tried at most once and MAX_DECODE_TRIES in all. Once a decode replica's tokens have
+gone out, its loss ends the request (a retry could neither repeat nor skip them safely)."""
 
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
@@ -13,24 +18,33 @@ from pydantic import BaseModel, ConfigDict, Field
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.stats import num_blocks
 from conveyor.deployments.api_error import APIError
+from conveyor.deployments.kv_autoscaling import KVAutoscaling
 from conveyor.deployments.protocol import Chunk, GenerateRequest
 
 if TYPE_CHECKING:
     from conveyor.deployments.router import Router
 
+MAX_DECODE_TRIES = 2
 DECODE_ROUTER = {"affinity_weight": 0.0, "headroom_weight": 1.0, "queue_weight": 0.25}
 
 
 class Disaggregation(BaseModel):
     """App argument `disaggregation`: prefill and decode replicas instead of `num_replicas` colocated ones.
     transfer: how the KV moves (object_store: Ray's object store, fetched by the decode replica from the
-    prefill replica's node). decode_engine: engine options of the decode replicas over `engine`."""
+    prefill replica's node). decode_engine: engine options of the decode replicas over `engine`. Each role has a
+    fixed replica count or its own autoscaling."""
 
     model_config = ConfigDict(extra="forbid")
     prefill_replicas: int = Field(1, ge=1)  # replicas that compute prompts' KV and first tokens (admission's)
     decode_replicas: int = Field(1, ge=1)  # replicas that import the KV and stream the rest (routed by KV headroom)
     transfer: Literal["object_store"] = "object_store"  # Ray's object store, fetched from the prefill replica's node
     decode_engine: dict[str, Any] = {}  # engine options of the decode replicas over `args.engine`
+    # prefill replicas autoscaled on the prompt tokens queued at them (policy: PrefillScalingConfig's fields), from
+    # `min_replicas` instead of prefill_replicas
+    prefill_autoscaling: KVAutoscaling | None = None
+    # decode replicas autoscaled on KV demand, handoffs waiting for room included (policy: KVScalingConfig's
+    # fields), from `min_replicas` instead of decode_replicas
+    decode_autoscaling: KVAutoscaling | None = None
 
 
 def can_hand_off(req: GenerateRequest) -> bool:
@@ -45,12 +59,33 @@ class HandoffFailed(APIError):
         )
 
 
+class HandoffRefused(RuntimeError):
+    """A decode replica cannot take this handoff (raised there, before any of its tokens): another may."""
+
+    def __init__(self, replica: str, why: str) -> None:
+        super().__init__(f"decode replica {replica} refused the handoff: {why}")
+        self.replica, self.why = replica, why
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return HandoffRefused, (self.replica, self.why)
+
+
+def retry_reason(e: BaseException) -> str | None:
+    """Why another decode replica may take the handoff ("refused", "lost"), or None when none can help."""
+    from conveyor.deployments.router import replica_lost  # the router imports this module
+
+    if isinstance(e, HandoffRefused):
+        return "refused"
+    return "lost" if replica_lost(e) else None
+
+
 async def disaggregated_stream(
     router: "Router", req: GenerateRequest, hint: RoutingHint, received_at: float
 ) -> AsyncIterator[Chunk]:
     """The prefill replica's chunk (the first token, or the whole answer when that token finishes it), then the
-    decode replica's. A failed prefill fails as a colocated request does; a failed transfer or a decode replica
-    lost or refusing ends the request with HandoffFailed. Either way no blocks stay behind: the prefill replica
+    decode replica's. A failed prefill fails as a colocated request does; a decode replica lost or refusing before
+    its first token is replaced (module docstring); a failed transfer, or a handoff no decode replica took, ends
+    the request with HandoffFailed naming every try's error. Either way no blocks stay behind: the prefill replica
     freed its own when it exported them, and the decode replica's go with its request (or its process)."""
     call = router.replica.prefill.remote(req, routing_hint=hint, received_at=received_at)
     router.drain.track(call)
@@ -63,16 +98,31 @@ async def disaggregated_stream(
     yield first
     if handoff is None:
         return
-    blocks = num_blocks(len(req.prompts[0]) + 1, router.block_size)
-    decode_hint = RoutingHint(num_prompt_blocks=blocks)
-    try:
-        async for chunk in router.follow(
-            req, lambda: router.decode_replicas.decode_to.remote(req, handoff, routing_hint=decode_hint)
-        ):
-            yield chunk
-    except APIError:
-        raise
-    except Exception as e:
-        from conveyor.deployments.router import cause  # the router imports this module
+    from conveyor.deployments.router import cause  # the router imports this module
 
-        raise HandoffFailed(repr(cause(e))) from None
+    blocks = num_blocks(len(req.prompts[0]) + 1, router.block_size)
+    refused: list[str] = []
+    errors: list[str] = []
+    for attempt in range(MAX_DECODE_TRIES):
+        # a try of its own on the token channel: a lost replica's chunks still in flight reach no one
+        try_req = req if attempt == 0 else req.model_copy(update={"request_id": f"{req.request_id}-try{attempt}"})
+        hint = RoutingHint(num_prompt_blocks=blocks, exclude=tuple(refused))
+        streamed = False
+        try:
+            async for chunk in router.follow(
+                try_req, lambda: router.decode_replicas.decode_to.remote(try_req, handoff, routing_hint=hint)
+            ):
+                streamed = True
+                yield chunk
+            return
+        except APIError:
+            raise
+        except Exception as e:
+            e = cause(e)
+            why = retry_reason(e)
+            errors.append(repr(e))
+            if streamed or why is None or attempt == MAX_DECODE_TRIES - 1:
+                raise HandoffFailed("; ".join(errors)) from None
+            if isinstance(e, HandoffRefused):
+                refused.append(e.replica)
+            router.metrics.handoff_retries.labels(reason=why).inc()

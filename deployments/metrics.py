@@ -281,6 +281,12 @@ class RouterMetrics:
         self.queued = Gauge(
             "conveyor_admission_queued", "Requests waiting for KV room at this router", registry=self.local
         )
+        self.handoff_retries = Counter(
+            "conveyor_handoff_retries",
+            "KV handoffs sent to another decode replica, by why the last one failed (refused, lost)",
+            ["reason"],
+            registry=self.local,
+        )
         self.sources: dict[str, Dump] = {}
         RouterMetrics.current = self
 

@@ -283,6 +283,7 @@ class EngineCore:
         waiting_tokens = sum(q.num_tokens - q.num_computed_tokens for q in s.waiting) + sum(
             q.num_tokens for q, _ in self.compiling.values()
         )
+        waiting_tokens += sum(h.num_computed for _, h, _ in self.importing)  # KV handoffs waiting for blocks
         growth = self.growth_blocks()
         return EngineStats(
             num_running=len(s.running),

@@ -616,7 +616,7 @@ def test_autoscaling_metrics_from_stats():
     """Autoscaling reads the blocks committed (held, waiting prompts', likely growth), not only those held."""
     s = EngineStats(num_waiting=3, num_waiting_tokens=20, kv_blocks_total=10, kv_blocks_free=4, num_growth_blocks=1)
     m = autoscaling_metrics(s)  # 6 held + 2 for the 20 waiting prompt tokens + 1 of growth, not 6
-    assert m == {"kv_demand": pytest.approx(0.9), "num_waiting": 3.0}
+    assert m == {"kv_demand": pytest.approx(0.9), "num_waiting": 3.0, "num_waiting_tokens": 20.0}
     assert all(isinstance(v, float) for v in m.values())
 
 
@@ -690,3 +690,21 @@ def test_serve_config_yaml_builds_policy_and_router():
     assert n == 3  # ceil(2 * 0.9 / 0.7)
     n, _ = wrapped(ctx([1.0] * 3, 5.0, {"kv_up_since": 0.0}))
     assert n == 4  # ceil(3 / 0.7) = 5, bounded by max_replicas
+
+
+def test_router_skips_excluded_replicas_unless_none_is_left():
+    """A handoff refused by a decode replica goes elsewhere (RoutingHint.exclude); with no other replica the
+    excluded one is still ranked (it answers the retry with a refusal of its own)."""
+    router = _router()
+    idle = EngineStats(kv_blocks_total=100, kv_blocks_free=100).to_dict()
+    reps = [FakeReplica("r1", idle), FakeReplica("r2", idle)]
+
+    def ranked(exclude: tuple[str, ...], replicas: list = reps) -> list[str]:
+        hint = RoutingHint(num_prompt_blocks=2, exclude=exclude)
+        pr = SimpleNamespace(args=[], kwargs={"routing_hint": hint}, routing_context=SimpleNamespace())
+        return [r[0].replica_id.unique_id for r in asyncio.run(router.choose_replicas(replicas, pr))]
+
+    assert ranked(()) == ["r1", "r2"]
+    assert ranked(("r1",)) == ["r2"]
+    assert ranked(("r1", "r2")) == ["r1", "r2"]
+    assert ranked(("r1",), reps[:1]) == ["r1"]

@@ -150,6 +150,8 @@ def test_import_waits_for_free_blocks_in_order_and_an_abort_ends_it_there(oracle
         if decode.engine.stats().num_waiting == 3:
             break
     assert decode.engine.stats().num_waiting == 3
+    held = sum(firsts[f"p{i}"].kv_handoff.num_computed for i in (1, 2, 3))
+    assert decode.engine.stats().num_waiting_tokens == held  # their KV counts in the replica's demand
     assert decode.engine.abort_request("d1").outputs[0].finish_reason == "abort"
     outs = run_all(decode.engine)
     assert [outs[f"d{i}"].outputs[0].token_ids for i in (3, 2)] == [expected[3], expected[2]]

@@ -18,7 +18,28 @@ from conveyor.engine import SamplingParams
         ({"decode_engine": {"block_size": 0}}, {}, "disaggregation.decode_engine.block_size"),
         ({"decode_engine": {"tensor_parallel_size": 2}}, {}, "tensor_parallel_size"),
         ({"whatever": 1}, {}, "whatever"),
-        ({}, {"kv_autoscaling": {"min_replicas": 1, "max_replicas": 2}}, "disaggregation"),
+        ({}, {"kv_autoscaling": {"min_replicas": 1, "max_replicas": 2}}, "decode_autoscaling"),
+        (
+            {"prefill_autoscaling": {"policy": {"target_kv_utilization": 0.5}}},
+            {},
+            "disaggregation.prefill_autoscaling.policy.target_kv_utilization",
+        ),
+        (
+            {"prefill_autoscaling": {"policy": {"target_waiting_tokens": 0}}},
+            {},
+            "disaggregation.prefill_autoscaling.policy.target_waiting_tokens",
+        ),
+        (
+            {"decode_autoscaling": {"policy": {"tolerance": 2}}},
+            {},
+            "disaggregation.decode_autoscaling.policy.tolerance",
+        ),
+        (
+            {"decode_autoscaling": {"min_replicas": 3, "max_replicas": 2}},
+            {},
+            "disaggregation.decode_autoscaling.max_replicas",
+        ),
+        ({"decode_autoscaling": {"min_replicas": 0}}, {}, "min_replicas"),
     ],
 )
 def test_bad_disaggregation_is_refused_naming_the_field(disaggregation: dict, extra: dict, field: str) -> None:
@@ -31,6 +52,16 @@ def test_good_disaggregation() -> None:
         {"disaggregation": {"prefill_replicas": 2, "decode_replicas": 3, "decode_engine": {"max_num_seqs": 64}}}
     )
     assert args.disaggregation.decode_replicas == 3 and args.disaggregation.transfer == "object_store"
+    scaled = AppArgs.model_validate(
+        {
+            "disaggregation": {
+                "prefill_autoscaling": {"max_replicas": 3, "policy": {"target_waiting_tokens": 512}},
+                "decode_autoscaling": {"max_replicas": 4, "policy": {"target_kv_utilization": 0.6}},
+            }
+        }
+    ).disaggregation
+    assert scaled.prefill_autoscaling.policy == {"target_waiting_tokens": 512}
+    assert scaled.decode_autoscaling.max_replicas == 4
 
 
 def test_only_single_sequence_requests_are_handed_off() -> None:
