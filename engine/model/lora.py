@@ -16,13 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.engine.checkpoints.lora import Adapter
 from conveyor.engine.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-GATHER = True  # TEMP: measuring the gather path against the mask path
 
 
 @dataclass
@@ -38,7 +35,6 @@ class LoRAPlan:
     padded: torch.Tensor | None
     valid: torch.Tensor | None
     all_slots: bool  # slots are 0..segments-1: the stacks are sliced, not gathered
-    mask: torch.Tensor | None = None  # TEMP mask path
 
 
 @dataclass
@@ -46,7 +42,6 @@ class LoRABatch:
     """This step's plans by row count: the step's rows, and the sampled rows the last layer keeps."""
 
     plans: dict[int, LoRAPlan]
-    k: int = 0  # TEMP mask path
 
 
 class LoRALinear:
@@ -63,17 +58,10 @@ class LoRALinear:
         self.bounds = torch.tensor([off for _, off, _ in segments] + [out], dtype=torch.int32, device=dev)
         self.widest = max(size for _, _, size in segments)
         self.row_parallel = isinstance(linear, RowParallelLinear)
-        # TEMP mask path layout
-        self.a_old = torch.zeros(s * r, g, in_features, dtype=dt, device=dev)
-        self.b_old = [torch.zeros(s * r, size, dtype=dt, device=dev) for _, _, size in segments]
 
     def clear(self, slot: int) -> None:
         self.a[slot] = 0
         self.b[slot] = 0
-        rows = slice(slot * self.owner.max_rank, (slot + 1) * self.owner.max_rank)
-        self.a_old[rows] = 0
-        for b in self.b_old:
-            b[rows] = 0
 
     def set(self, slot: int, segment: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """a [r, in], b [out, r] in full (unsharded); this rank keeps its part as the base weight does."""
@@ -89,17 +77,12 @@ class LoRALinear:
             a_local, b_local = a, local[offset : offset + size].T * scale
         self.a[slot, segment * R : segment * R + r] = a_local.to(self.a)
         self.b[slot, segment * R : segment * R + r, offset : offset + size] = b_local.to(self.b)
-        rows = slice(slot * R, slot * R + r)
-        self.a_old[rows, segment] = a_local.to(self.a)
-        self.b_old[segment][rows] = b_local.to(self.a)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.owner.batch
         if batch is None:
             return y
         plan = batch.plans[x.shape[0]]
-        if not GATHER:
-            return self._masked(x, y, plan.mask, plan.mask.shape[1] // self.owner.max_rank)
         if x.is_cuda:
             from conveyor.kernels.triton_ops import lora_expand, lora_shrink
 
@@ -108,15 +91,6 @@ class LoRALinear:
                 shrunk, self.b, y, plan.rows, plan.starts, plan.slots, plan.max_len, self.bounds, self.widest
             )
         return apply_gathered(x, y, self.a, self.b, plan)
-
-    def _masked(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
-        n, kr, g = x.shape[0], k * self.owner.max_rank, len(self.segments)
-        shrunk = F.linear(x, self.a_old[:kr].view(kr * g, -1)).view(n, kr, g) * mask.unsqueeze(-1)
-        if g == 1:
-            return y.addmm_(shrunk.view(n, kr), self.b_old[0][:kr])
-        for i, (_, offset, size) in enumerate(self.segments):
-            y[:, offset : offset + size].addmm_(shrunk[:, :, i], self.b_old[i][:kr])
-        return y
 
 
 class LoRAModel:
@@ -154,7 +128,7 @@ class LoRAModel:
         plans = {len(token_slots): make_plan(token_slots, self.device, self.dtype, self.max_rank)}
         if keep is not None:
             plans[len(keep)] = make_plan(token_slots[keep.cpu().numpy()], self.device, self.dtype, self.max_rank)
-        self.batch = LoRABatch(plans, int(token_slots.max()) + 1)
+        self.batch = LoRABatch(plans)
 
 
 def make_plan(token_slots: np.ndarray, device: torch.device, dtype: torch.dtype, max_rank: int) -> LoRAPlan:
@@ -171,10 +145,6 @@ def make_plan(token_slots: np.ndarray, device: torch.device, dtype: torch.dtype,
         padded_np = np.where(real, order[np.minimum(starts[:-1, None] + pos[None, :], len(order) - 1)], 0)
         padded = torch.from_numpy(padded_np.reshape(-1)).to(device)
         valid = torch.from_numpy(real[:, :, None]).to(device, dtype)
-    k = int(slots[-1]) + 1
-    mask = np.zeros((len(token_slots), k, max_rank), dtype=np.float32)
-    mask[order, token_slots[order]] = 1.0
-    mask_t = torch.from_numpy(mask.reshape(len(token_slots), -1)).to(device, dtype)
     return LoRAPlan(
         torch.from_numpy(order.astype(np.int32)).to(device),
         torch.from_numpy(starts.astype(np.int32)).to(device),
@@ -183,7 +153,6 @@ def make_plan(token_slots: np.ndarray, device: torch.device, dtype: torch.dtype,
         padded,
         valid,
         bool(slots[-1] == len(slots) - 1),
-        mask_t,
     )
 
 
