@@ -62,7 +62,7 @@ def step_cost(args: argparse.Namespace) -> None:
         print(f"  {name:18s} median decode step {1000 * med:7.2f} ms over {len(t):4d} steps  ratio {med / ref:.3f}")
 
 
-def step_times(args: argparse.Namespace, paths: dict | None = None) -> dict[str, list[float]]:
+def step_times(args: argparse.Namespace) -> dict[str, list[float]]:
     """Decode-step durations of the base model (LoRA off), and of each --loras N: N adapters + base (max_loras N)
     and, for the first N, the base alone with LoRA on; all alternated over --rounds."""
     from conveyor.engine import LLM
