@@ -19,6 +19,9 @@ AOT_KV_HEADS = (1, 3, 8, 32)  # store_kv's NUM_KV_HEADS / BLOCK_H
 AOT_DECODE_SPLITS = ((1, 1), (64, 3))  # per decode mode, the num_splits of its two cases; 1 is no split-K
 AOT_QUERY_LENS = (8, 32, 64, 512)  # prefill max_query_len: one per BLOCK_M the launcher picks
 AOT_SEQ_LEN = 4096  # context length of every decode/prefill case; 64 and 3 splits of it stay 64 and 3
+AOT_LORA_HEAD_DIMS = (64, 128)  # LoRA: the q/k/v projection of a model with 16 heads (4 KV heads) of this size
+AOT_LORA_RANKS = (16, 64)  # max_lora_rank
+AOT_LORA_SEGMENTS = (8, 32, 512)  # LoRA: the longest run of rows on one adapter, one per BLOCK_M the launcher picks
 TENSOR_CORE_OPS = ("HMMA", "HGMMA")
 
 
@@ -27,20 +30,22 @@ class AotCase:
     """One call of a kernels.triton_ops entry point as the engine makes it. The launcher runs on CPU
     tensors that only supply dtypes, shapes and strides; its kernel launches are captured, not run."""
 
-    op: str  # "store_kv", "decode" or "prefill"
+    op: str  # "store_kv", "decode", "prefill" or "lora" (shrink and expand of one q/k/v projection)
     dtype: str  # the model dtype: queries, keys, values and both caches
     head_dim: int
     group: int = 1  # query heads per KV head
     block_size: int = 16
     num_kv_heads: int = 2
     num_splits: int = 1  # decode: 1 launches without split-K
-    max_query_len: int = 1  # prefill
+    max_query_len: int = 1  # prefill; lora: the longest segment (rows on one adapter)
+    rank: int = 0  # lora: max_lora_rank
 
     def label(self) -> str:
         extra = {
             "store_kv": f"kvh{self.num_kv_heads}",
             "decode": f"splits{self.num_splits}",
             "prefill": f"q{self.max_query_len}",
+            "lora": f"r{self.rank} m{self.max_query_len}",
         }[self.op]
         return f"{self.op} {self.dtype} d{self.head_dim} g{self.group} bs{self.block_size} {extra}"
 
@@ -74,6 +79,10 @@ def aot_cases() -> list[AotCase]:
             for query_len in AOT_QUERY_LENS:
                 group, block_size = next(prefill_pairs)
                 cases.append(AotCase("prefill", dtype, head_dim, group, block_size, max_query_len=query_len))
+        for head_dim in AOT_LORA_HEAD_DIMS:
+            for rank in AOT_LORA_RANKS:
+                for segment in AOT_LORA_SEGMENTS:
+                    cases.append(AotCase("lora", dtype, head_dim, 4, max_query_len=segment, rank=rank))
     return cases
 
 

@@ -74,6 +74,9 @@ def _call_launcher(ops: ModuleType, case: AotCase) -> None:
     """Calls the engine-facing function of `case.op` with tensors shaped as the engine passes them."""
     dtype = getattr(torch, case.dtype)
     heads = case.num_kv_heads * case.group
+    if case.op == "lora":
+        _call_lora_launchers(ops, case, dtype)
+        return
     k_cache = torch.zeros(4, case.block_size, case.num_kv_heads, case.head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     if case.op == "store_kv":
@@ -97,6 +100,22 @@ def _call_launcher(ops: ModuleType, case: AotCase) -> None:
         )
     else:
         raise ValueError(f"unknown AOT op {case.op!r}")
+
+
+def _call_lora_launchers(ops: ModuleType, case: AotCase, dtype: torch.dtype) -> None:
+    """The q/k/v projection of 16 heads (4 KV heads) of head_dim: 4 slots, two segments of max_query_len rows."""
+    hidden, kv = 16 * case.head_dim, 4 * case.head_dim
+    n, slots = case.max_query_len, 4
+    x = torch.zeros(3 * n, hidden, dtype=dtype)
+    a = torch.zeros(slots, 3 * case.rank, hidden, dtype=dtype)
+    b = torch.zeros(slots, 3 * case.rank, hidden + 2 * kv, dtype=dtype)
+    y = torch.zeros(3 * n, hidden + 2 * kv, dtype=dtype)
+    rows = torch.arange(2 * n, dtype=torch.int32)
+    starts = torch.tensor([0, n, 2 * n], dtype=torch.int32)
+    seg_slots = torch.tensor([0, 2], dtype=torch.int64)
+    bounds = torch.tensor([0, hidden, hidden + kv, hidden + 2 * kv], dtype=torch.int32)
+    t = ops.lora_shrink(x, a, rows, starts, seg_slots, n, case.rank)
+    ops.lora_expand(t, b, y, rows, starts, seg_slots, n, bounds, hidden)
 
 
 def _case_launches(ops: ModuleType, case: AotCase) -> list[tuple[Any, tuple, dict]]:

@@ -2,14 +2,14 @@
 written for the model first:
 
 step     the cost of a decode step mixing adapters: `--seqs` sequences in steady decode, all on the base model
-         with LoRA off, then split evenly over 4 adapters + the base model (max_loras 4), alternated over
-         `--rounds`; prints the median decode step of each and their ratio (target <= 1.3).
+         with LoRA off, then split evenly over N adapters + the base model (max_loras N) for each N of `--loras`,
+         alternated over `--rounds`; prints the median decode step of each and their ratio (target <= 1.3 at 4).
 routing  8 adapters over 2 replicas (max_loras 2 each), Zipf popularity (`--zipf`), open-loop Poisson arrivals:
          two apps side by side, LoRA-aware routing and adapter-blind (request_router.lora_affinity false), same
          requests, rounds alternating which goes first; prints TTFT p50/p99 and the adapter loads (the replicas'
          num_lora_loads) of each.
 
-    python -m benchmarks.lora --scenario step [--seqs 32 --rounds 3]
+    python -m benchmarks.lora --scenario step [--seqs 32 --rounds 3 --loras 1,4,8]
     python -m benchmarks.lora --scenario routing [--requests 96 --rate 3 --rounds 2]
 """
 
@@ -55,27 +55,39 @@ def decode_steps(llm: Any, prompts: list[list[int]], loras: list[Any], steps: in
 
 
 def step_cost(args: argparse.Namespace) -> None:
-    from conveyor.engine import LLM
-    from conveyor.engine.lora_request import LoRARequest
-
-    root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    adapters = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(write_adapters(args.model, 4, root))]
-    opts = dict(dtype="float32", max_num_seqs=args.seqs, max_model_len=512, num_blocks=args.seqs * 8 + 16)
-    base = LLM(args.model, **opts)
-    mixed = LLM(args.model, max_loras=4, max_lora_rank=RANK, **opts)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 20000) for _ in range(32)] for _ in range(args.seqs)]
-    split = [([None, *adapters])[i % 5] for i in range(args.seqs)]
-    times: dict[str, list[float]] = {"base (LoRA off)": [], "4 adapters + base": [], "base (LoRA on)": []}
-    for _ in range(args.rounds):
-        times["base (LoRA off)"] += decode_steps(base, prompts, [None] * args.seqs, args.steps)
-        times["4 adapters + base"] += decode_steps(mixed, prompts, split, args.steps)
-        times["base (LoRA on)"] += decode_steps(mixed, prompts, [None] * args.seqs, args.steps)
+    times = step_times(args)
     ref = statistics.median(times["base (LoRA off)"])
-    print(f"model {args.model}, {args.seqs} sequences in decode, rank {RANK} on q/k/v/o/gate/up/down")
     for name, t in times.items():
         med = statistics.median(t)
         print(f"  {name:18s} median decode step {1000 * med:7.2f} ms over {len(t):4d} steps  ratio {med / ref:.3f}")
+
+
+def step_times(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Decode-step durations of the base model (LoRA off), and of each --loras N: N adapters + base (max_loras N)
+    and, for the first N, the base alone with LoRA on; all alternated over --rounds."""
+    from conveyor.engine import LLM
+    from conveyor.engine.lora_request import LoRARequest
+
+    counts = [int(n) for n in args.loras.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    written = write_adapters(args.model, max(counts), root)
+    adapters = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(written)]
+    opts = dict(dtype="float32", max_num_seqs=args.seqs, max_model_len=512, num_blocks=args.seqs * 8 + 16)
+    base = LLM(args.model, **opts)
+    mixed = {n: LLM(args.model, max_loras=n, max_lora_rank=RANK, **opts) for n in counts}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(32)] for _ in range(args.seqs)]
+    times: dict[str, list[float]] = {"base (LoRA off)": []}
+    print(f"model {args.model}, {args.seqs} sequences in decode, rank {RANK} on q/k/v/o/gate/up/down")
+    for _ in range(args.rounds):
+        times["base (LoRA off)"] += decode_steps(base, prompts, [None] * args.seqs, args.steps)
+        for n in counts:
+            split = [([None, *adapters[:n]])[i % (n + 1)] for i in range(args.seqs)]
+            times.setdefault(f"{n} adapters + base", []).extend(decode_steps(mixed[n], prompts, split, args.steps))
+        times.setdefault("base (LoRA on)", []).extend(
+            decode_steps(mixed[counts[0]], prompts, [None] * args.seqs, args.steps)
+        )
+    return times
 
 
 async def stream_one(client: httpx.AsyncClient, path: str, model: str, prompt: list[int], tokens: int) -> dict:
@@ -154,6 +166,7 @@ def main() -> None:
     p.add_argument("--scenario", choices=("step", "routing"), required=True)
     p.add_argument("--model", default="demo:smollm2")
     p.add_argument("--seqs", type=int, default=32)
+    p.add_argument("--loras", default="4", help="step: adapter counts, comma-separated (max_loras each)")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=96)

@@ -1,11 +1,19 @@
 """Triton paged attention, the launchers: same signatures and layouts as kernels.reference (see its
-docstring). The kernels they launch are in kernels/triton_kernels.py."""
+docstring); and batched LoRA's shrink and expand over slot segments (engine/model/lora.py, whose torch path
+is their oracle). The kernels they launch are in kernels/triton_kernels.py."""
 
 import torch
 import triton
 import triton.language as tl
 
-from conveyor.kernels.triton_kernels import _decode_kernel, _prefill_kernel, _reduce_splits_kernel, _store_kv_kernel
+from conveyor.kernels.triton_kernels import (
+    _decode_kernel,
+    _lora_expand_kernel,
+    _lora_shrink_kernel,
+    _prefill_kernel,
+    _reduce_splits_kernel,
+    _store_kv_kernel,
+)
 
 LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -222,3 +230,104 @@ def paged_prefill_attention(
         **config,
     )
     return out
+
+
+def _lora_config(max_len: int, rank: int, dtype: torch.dtype) -> dict:
+    """Tile sizes of the LoRA kernels: BLOCK_M rows of a segment (16 for decode-sized segments, up to 64), the rank
+    padded to a power of two >= 16 for tl.dot. Off the interpreter each choice compiles without register spills
+    for sm_80 and sm_90 (benchmarks/gpu_check.py --aot checks it)."""
+    block_r = max(16, triton.next_power_of_2(rank))
+    if _interpret():
+        return dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=32, BLOCK_N=32)
+    block_m = min(64, max(16, triton.next_power_of_2(max_len)))
+    if dtype == torch.float32:  # ieee fp32 dots: FMA loops, the smallest tiles; ranks above 32 spill at 32 columns
+        return dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=32, BLOCK_N=32 if block_r <= 32 else 16)
+    return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, BLOCK_N=64)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    max_len: int,
+    rank: int,
+) -> torch.Tensor:
+    """x [T, in], a [S, g * rank, in] (slot-stacked A, slice s at rows s*rank); rows [M] the adapter rows of x sorted
+    by slot, starts [segments + 1] (int32) their segment bounds, slots [segments] each segment's slot.
+    Returns t [M, g * rank] in x's dtype: t[i] = x[rows[i]] @ A[slot of i].T, slice by slice."""
+    num_rows, width = rows.shape[0], a.shape[1]
+    t = torch.empty((num_rows, width), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return t
+    assert x.stride(-1) == a.stride(-1) == 1 and width % rank == 0
+    config = _lora_config(max_len, rank, x.dtype)
+    grid = (triton.cdiv(max_len, config["BLOCK_M"]), slots.shape[0], width // rank)
+    _lora_shrink_kernel[grid](
+        x,
+        a,
+        t,
+        rows,
+        starts,
+        slots,
+        x.shape[1],
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        t.stride(0),
+        RANK=rank,
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_K=config["BLOCK_K"],
+        BLOCK_R=config["BLOCK_R"],
+        DOT_DTYPE=_dot_dtype(x.dtype),
+        num_warps=4,
+    )
+    return t
+
+
+def lora_expand(
+    t: torch.Tensor,
+    b: torch.Tensor,
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    max_len: int,
+    bounds: torch.Tensor,
+    max_slice: int,
+) -> torch.Tensor:
+    """y [T, out] += per row rows[i]: t[i, slice s] @ B[slot of i, slice s, bounds[s]:bounds[s+1]] for each slice;
+    b [S, g * rank, out] (slot-stacked, slice s at rows s*rank), bounds [g + 1] (int32) the slices' output
+    columns, max_slice the widest slice. t, rows, starts, slots as lora_shrink returns and takes them. Returns y,
+    updated in place."""
+    num_rows, width = rows.shape[0], b.shape[1]
+    if num_rows == 0:
+        return y
+    num_slices = bounds.shape[0] - 1
+    rank = width // num_slices
+    assert t.stride(-1) == b.stride(-1) == y.stride(-1) == 1
+    config = _lora_config(max_len, rank, y.dtype)
+    n_tiles = triton.cdiv(max_slice, config["BLOCK_N"])
+    grid = (triton.cdiv(max_len, config["BLOCK_M"]), slots.shape[0], num_slices * n_tiles)
+    _lora_expand_kernel[grid](
+        t,
+        b,
+        y,
+        rows,
+        starts,
+        slots,
+        bounds,
+        n_tiles,
+        t.stride(0),
+        b.stride(0),
+        b.stride(1),
+        y.stride(0),
+        RANK=rank,
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_N=config["BLOCK_N"],
+        BLOCK_R=config["BLOCK_R"],
+        DOT_DTYPE=_dot_dtype(y.dtype),
+        num_warps=4,
+    )
+    return y

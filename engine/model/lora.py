@@ -1,9 +1,14 @@
 """Multi-LoRA over a flat packed batch: `max_loras` resident slots, each projection's A and B stacked over them,
 applied in one pass to a step whose tokens each name a slot (-1: the base model).
 
-Per projection y += ((x @ A_all) * mask) @ B_all, over the slots 0..k-1 the step uses: the shrink computes every
-used slot's rank-R columns for every token, the per-token mask (built once per step) keeps its own slot's, and
-the expand adds that slot's B. Ranks below max_lora_rank are zero-padded; the scale is folded into B.
+Gather-based (S-LoRA/punica SGMV): set_batch sorts the step's adapter rows by slot once (LoRAPlan: the rows of
+each used slot as one segment); per projection the shrink multiplies each segment's rows by its slot's A and the
+expand adds their product with its B into those rows of the base output, so the cost follows the tokens on an
+adapter times the rank, whatever the slots. On CPU one batched matmul each over the segments padded to the
+longest (padding rows contribute zero); on CUDA the Triton kernels of kernels/triton_ops.py (lora_shrink,
+lora_expand). Ranks below max_lora_rank are zero-padded; the scale is folded into B.
+Storage per slot: A [g * R, in] (segment i's rows at i*R), B [g * R, out] block-diagonal (segment i's rows feed
+its output columns only), g the projection's output segments (q/k/v, gate/up, or one).
 TP: A is replicated and B split like the base weight for column-parallel layers; A split along the input and B
 replicated for row-parallel ones, whose partial sums meet in the base layer's all-reduce."""
 
@@ -11,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.engine.checkpoints.lora import Adapter
@@ -19,59 +23,74 @@ from conveyor.engine.model.linear import ColumnParallelLinear, QKVParallelLinear
 
 
 @dataclass
-class LoRABatch:
-    """This step's selection: masks by row count (the step's rows, and the sampled rows the last layer keeps),
-    each [rows, k * max_rank]; k: the slots 0..k-1 in use."""
+class LoRAPlan:
+    """One row count's selection. rows: the adapter rows sorted by slot, starts [segments + 1] their segment
+    bounds, slots each segment's slot, max_len the longest segment (CUDA kernels). padded [segments * max_len]:
+    the rows laid out one segment per max_len block, valid [segments, max_len, 1] 1 on real rows (CPU path)."""
 
-    masks: dict[int, torch.Tensor]
-    k: int
+    rows: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+    max_len: int
+    padded: torch.Tensor | None
+    valid: torch.Tensor | None
+    all_slots: bool  # slots are 0..segments-1: the stacks are sliced, not gathered
+
+
+@dataclass
+class LoRABatch:
+    """This step's plans by row count: the step's rows, and the sampled rows the last layer keeps."""
+
+    plans: dict[int, LoRAPlan]
 
 
 class LoRALinear:
-    """The stacked adapters of one linear: its output segments (q/k/v, gate/up, or one) each with a B stack."""
+    """The stacked adapters of one linear: its output segments (q/k/v, gate/up, or one)."""
 
     def __init__(
         self, owner: "LoRAModel", linear: nn.Module, segments: list[tuple[object, int, int]], in_features: int
     ) -> None:
         self.owner, self.linear, self.segments = owner, linear, segments
-        s, r, dt, dev = owner.max_loras, owner.max_rank, owner.dtype, owner.device
-        self.a = torch.zeros(s * r, len(segments), in_features, dtype=dt, device=dev)
-        self.b = [torch.zeros(s * r, size, dtype=dt, device=dev) for _, _, size in segments]
+        s, r, g, dt, dev = owner.max_loras, owner.max_rank, len(segments), owner.dtype, owner.device
+        out = sum(size for _, _, size in segments)
+        self.a = torch.zeros(s, g * r, in_features, dtype=dt, device=dev)
+        self.b = torch.zeros(s, g * r, out, dtype=dt, device=dev)
+        self.bounds = torch.tensor([off for _, off, _ in segments] + [out], dtype=torch.int32, device=dev)
+        self.widest = max(size for _, _, size in segments)
         self.row_parallel = isinstance(linear, RowParallelLinear)
 
     def clear(self, slot: int) -> None:
-        rows = slice(slot * self.owner.max_rank, (slot + 1) * self.owner.max_rank)
-        self.a[rows] = 0
-        for b in self.b:
-            b[rows] = 0
+        self.a[slot] = 0
+        self.b[slot] = 0
 
     def set(self, slot: int, segment: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """a [r, in], b [out, r] in full (unsharded); this rank keeps its part as the base weight does."""
-        r = a.shape[0]
-        rows = slice(slot * self.owner.max_rank, slot * self.owner.max_rank + r)
+        r, R = a.shape[0], self.owner.max_rank
         shard_id, offset, size = self.segments[segment]
         if self.row_parallel:
             local = torch.empty(r, self.a.shape[2], dtype=a.dtype)
             self.linear.weight_loader(local, a, shard_id)
-            self.a[rows, segment] = local.to(self.a)
-            self.b[segment][rows] = (b.T * scale).to(self.b[segment])
+            a_local, b_local = local, b.T * scale
         else:
             local = torch.empty(self.linear.output_size_per_rank, r, dtype=b.dtype)
             self.linear.weight_loader(local, b, shard_id)
-            self.a[rows, segment] = a.to(self.a)
-            self.b[segment][rows] = (local[offset : offset + size].T * scale).to(self.b[segment])
+            a_local, b_local = a, local[offset : offset + size].T * scale
+        self.a[slot, segment * R : segment * R + r] = a_local.to(self.a)
+        self.b[slot, segment * R : segment * R + r, offset : offset + size] = b_local.to(self.b)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.owner.batch
         if batch is None:
             return y
-        n, kr, g = x.shape[0], batch.k * self.owner.max_rank, len(self.segments)
-        shrunk = F.linear(x, self.a[:kr].view(kr * g, -1)).view(n, kr, g) * batch.masks[n].unsqueeze(-1)
-        if g == 1:
-            return y.addmm_(shrunk.view(n, kr), self.b[0][:kr])
-        for i, (_, offset, size) in enumerate(self.segments):
-            y[:, offset : offset + size].addmm_(shrunk[:, :, i], self.b[i][:kr])
-        return y
+        plan = batch.plans[x.shape[0]]
+        if x.is_cuda:
+            from conveyor.kernels.triton_ops import lora_expand, lora_shrink
+
+            shrunk = lora_shrink(x, self.a, plan.rows, plan.starts, plan.slots, plan.max_len, self.owner.max_rank)
+            return lora_expand(
+                shrunk, self.b, y, plan.rows, plan.starts, plan.slots, plan.max_len, self.bounds, self.widest
+            )
+        return apply_gathered(x, y, self.a, self.b, plan)
 
 
 class LoRAModel:
@@ -103,18 +122,48 @@ class LoRAModel:
 
     def set_batch(self, token_slots: np.ndarray, keep: torch.Tensor | None) -> None:
         """token_slots: each row's slot (-1: base), padding rows included; keep: the rows the last layer runs."""
-        k = int(token_slots.max(initial=-1)) + 1
-        if k == 0:
+        if token_slots.max(initial=-1) < 0:
             self.batch = None
             return
-        rows = np.flatnonzero(token_slots >= 0)
-        mask = np.zeros((len(token_slots), k, self.max_rank), dtype=np.float32)
-        mask[rows, token_slots[rows]] = 1.0
-        full = torch.from_numpy(mask.reshape(len(token_slots), -1)).to(self.device, self.dtype)
-        masks = {len(token_slots): full}
+        plans = {len(token_slots): make_plan(token_slots, self.device, self.dtype, self.max_rank)}
         if keep is not None:
-            masks[len(keep)] = full[keep]
-        self.batch = LoRABatch(masks, k)
+            plans[len(keep)] = make_plan(token_slots[keep.cpu().numpy()], self.device, self.dtype, self.max_rank)
+        self.batch = LoRABatch(plans)
+
+
+def make_plan(token_slots: np.ndarray, device: torch.device, dtype: torch.dtype, max_rank: int) -> LoRAPlan:
+    """The plan of rows whose slots are token_slots (-1: base); at least one row names a slot."""
+    order = np.argsort(token_slots, kind="stable")
+    order = order[token_slots[order] >= 0]
+    slots, counts = np.unique(token_slots[order], return_counts=True)
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    max_len = int(counts.max())
+    padded = valid = None
+    if device.type != "cuda":
+        pos = np.arange(max_len)
+        real = pos[None, :] < counts[:, None]
+        padded_np = np.where(real, order[np.minimum(starts[:-1, None] + pos[None, :], len(order) - 1)], 0)
+        padded = torch.from_numpy(padded_np.reshape(-1)).to(device)
+        valid = torch.from_numpy(real[:, :, None]).to(device, dtype)
+    return LoRAPlan(
+        torch.from_numpy(order.astype(np.int32)).to(device),
+        torch.from_numpy(starts.astype(np.int32)).to(device),
+        torch.from_numpy(slots.astype(np.int64)).to(device),
+        max_len,
+        padded,
+        valid,
+        bool(slots[-1] == len(slots) - 1),
+    )
+
+
+def apply_gathered(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: LoRAPlan) -> torch.Tensor:
+    """The torch path: y += each adapter row's x @ A[slot].T @ B[slot], a [S, g*R, in], b [S, g*R, out] stacked
+    by slot; one batched shrink and expand over the plan's segments padded to the longest. Returns y."""
+    k = len(plan.slots)
+    a, b = (a[:k], b[:k]) if plan.all_slots else (a[plan.slots], b[plan.slots])
+    xs = x.index_select(0, plan.padded).view(k, plan.max_len, -1)
+    shrunk = torch.bmm(xs, a.transpose(1, 2)).mul_(plan.valid)
+    return y.index_add_(0, plan.padded, torch.bmm(shrunk, b).view(-1, y.shape[1]))
 
 
 def _segments(linear: nn.Module) -> list[tuple[object, int, int]]:
