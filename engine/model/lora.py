@@ -39,9 +39,10 @@ class LoRAPlan:
 
 @dataclass
 class LoRABatch:
-    """This step's plans by row count: the step's rows, and the sampled rows the last layer keeps."""
+    """This step's plans by row count: the step's rows, and the sampled rows the last layer keeps (None: no kept
+    row names a slot, e.g. a step that samples nothing)."""
 
-    plans: dict[int, LoRAPlan]
+    plans: dict[int, LoRAPlan | None]
 
 
 class LoRALinear:
@@ -83,6 +84,8 @@ class LoRALinear:
         if batch is None:
             return y
         plan = batch.plans[x.shape[0]]
+        if plan is None:
+            return y
         if x.is_cuda:
             from conveyor.kernels.triton_ops import lora_expand, lora_shrink
 
@@ -127,7 +130,10 @@ class LoRAModel:
             return
         plans = {len(token_slots): make_plan(token_slots, self.device, self.dtype, self.max_rank)}
         if keep is not None:
-            plans[len(keep)] = make_plan(token_slots[keep.cpu().numpy()], self.device, self.dtype, self.max_rank)
+            kept = token_slots[keep.cpu().numpy()]
+            plans[len(keep)] = (
+                make_plan(kept, self.device, self.dtype, self.max_rank) if kept.max(initial=-1) >= 0 else None
+            )
         self.batch = LoRABatch(plans)
 
 

@@ -88,6 +88,19 @@ def test_mixed_adapters_match_peft(tmp_path: Path, model: str, prompts: list[str
     assert_no_leak(llm)
 
 
+def test_an_adapter_prompt_longer_than_the_budget_alone(tmp_path: Path) -> None:
+    """Its first chunks sample no row (the last layer keeps none), then the adapter applies as peft's."""
+    model = "demo:llama-tiny"
+    lora = make_adapters(model, tmp_path)[0]
+    ids = [list(range(5, 125))]
+    llm = LLM(model, dtype="float32", max_lora_rank=16, max_loras=1, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids[0]}], params, use_tqdm=False, lora_request=lora)[0].outputs[0]
+    assert out.finish_reason == "length"
+    assert [out.token_ids] == peft_greedy(model, lora.path, ids, MAX_TOKENS)
+    assert_no_leak(llm)
+
+
 def test_fewer_slots_than_adapters_rotates_by_lru(tmp_path: Path) -> None:
     model = "demo:llama-tiny"
     loras = make_adapters(model, tmp_path)
