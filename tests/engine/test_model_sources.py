@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.checkpoints.gguf import check_gguf
 from conveyor.engine.checkpoints.model_source import resolve_model
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.resolved_config import resolve
 from tests.helpers import hf_greedy
 
 PROMPTS = [[1, 400, 401, 402, 403], [1, 17, 230, 999, 5, 6, 7, 8, 9]]
@@ -195,8 +197,9 @@ def test_app_args_revision_and_served_model_name(hub: Path) -> None:
     hub_cache(hub, "acme/tiny-llama", Path(resolve_model("demo:llama-tiny")))
     args = AppArgs(model="acme/tiny-llama", revision="main", served_model_name="tiny")
     assert args.engine_config()["revision"] == "main"
+    unknown = AppArgs(model="acme/tiny-llama", revision="nope")  # validating args reads no model
     with pytest.raises(ValueError, match="revision 'nope'"):
-        AppArgs(model="acme/tiny-llama", revision="nope")
+        resolve(EngineConfig(**unknown.engine_config()))  # the replica's start does
     with pytest.raises(ValueError, match="engine.revision: unknown engine option"):
         AppArgs(model="acme/tiny-llama", engine={"revision": "main"})
 
