@@ -653,6 +653,8 @@ def test_serve_config_yaml_builds_policy_and_router():
     from ray.serve.config import AutoscalingConfig, AutoscalingContext, RequestRouterConfig
     from ray.serve.schema import ServeDeploySchema
 
+    from tests.cluster.autoscaling_context import autoscaling_context
+
     dep = ServeDeploySchema(**yaml.safe_load(SERVE_YAML)).applications[0].deployments[0]
     router_cfg = RequestRouterConfig(**dep.request_router_config)
     assert router_cfg.get_request_router_class() is KVAwareRequestRouter
@@ -663,25 +665,8 @@ def test_serve_config_yaml_builds_policy_and_router():
 
     def ctx(util: list[float], t: float, state: dict) -> AutoscalingContext:
         ids = [f"r{i}" for i in range(len(util))]
-        return AutoscalingContext(
-            deployment_id=None,
-            deployment_name="LLMReplica",
-            app_name="conveyor",
-            current_num_replicas=len(ids),
-            target_num_replicas=len(ids),
-            running_replicas=ids,
-            total_num_requests=1.0,
-            total_queued_requests=0.0,
-            aggregated_metrics={"kv_demand": dict(zip(ids, util)), "num_waiting": dict.fromkeys(ids, 0.0)},
-            raw_metrics={},
-            capacity_adjusted_min_replicas=1,
-            capacity_adjusted_max_replicas=4,
-            policy_state=state,
-            last_scale_up_time=None,
-            last_scale_down_time=None,
-            current_time=t,
-            config=autoscaling,
-        )
+        metrics = {"kv_demand": dict(zip(ids, util)), "num_waiting": dict.fromkeys(ids, 0.0)}
+        return autoscaling_context("LLMReplica", metrics, ids, autoscaling, t, state, 1, 4)
 
     wrapped = _apply_autoscaling_config(policy)  # Ray's own wrapper: bounds, factors, its (zero) delays
     n, state = wrapped(ctx([0.9, 0.9], 0.0, {}))

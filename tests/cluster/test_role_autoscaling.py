@@ -5,7 +5,6 @@ from typing import Any
 
 from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
-from ray.serve.config import AutoscalingContext
 
 from conveyor.cluster.autoscaling import (
     KVCacheAutoscalingPolicy,
@@ -16,6 +15,7 @@ from conveyor.cluster.autoscaling import (
 from conveyor.deployments.app import role_replicas
 from conveyor.deployments.kv_autoscaling import KV_POLICY, PREFILL_POLICY, KVAutoscaling
 from conveyor.engine.stats import EngineStats
+from tests.cluster.autoscaling_context import autoscaling_context
 
 SCALING = KVAutoscaling(min_replicas=1, max_replicas=4, policy={"downscale_delay_s": 10})
 
@@ -37,24 +37,8 @@ def decide(function: str, replicas: list[EngineStats], t: float = 0.0, state: di
     for rid, s in zip(ids, replicas):
         for k, v in reported(s).items():
             metrics.setdefault(k, {})[rid] = v
-    ctx = AutoscalingContext(
-        deployment_id=None,
-        deployment_name="LLMDecode",
-        app_name="default",
-        current_num_replicas=len(ids),
-        target_num_replicas=len(ids),
-        running_replicas=ids,
-        total_num_requests=1.0,
-        total_queued_requests=0.0,
-        aggregated_metrics=metrics,
-        raw_metrics={},
-        capacity_adjusted_min_replicas=config.min_replicas,
-        capacity_adjusted_max_replicas=config.max_replicas,
-        policy_state=state or {},
-        last_scale_up_time=None,
-        last_scale_down_time=None,
-        current_time=t,
-        config=config,
+    ctx = autoscaling_context(
+        "LLMDecode", metrics, ids, config, t, state or {}, config.min_replicas, config.max_replicas
     )
     return wrapped(ctx)
 
