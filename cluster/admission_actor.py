@@ -16,8 +16,9 @@ import uuid
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Sequence
 
-from conveyor.cluster.admission import AdmissionController, Decision
+from conveyor.cluster import admission_snapshot
 from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.admission_controller import AdmissionController, Decision
 from conveyor.cluster.leases import Leases
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.reservations import ReservationReport
@@ -72,7 +73,7 @@ class AdmissionActor:
         for r in reservations:
             self.controller.reserve(r.replica_id, r.blocks, now - max(0.0, r.age_s), r.requests, r.keys)
         snap = self.snapshot()
-        snap["kv"] = self.controller.kv_snapshot(kv_since)
+        snap["kv"] = admission_snapshot.kv_snapshot(self.controller, kv_since)
         snap["routers"] = max(1, len(self.routers))
         if router_id is not None:
             self.leases.ttl_s = self.controller.config.lease_s
@@ -97,7 +98,7 @@ class AdmissionActor:
         now = self.clock()
         for rid in self.controller.expire(now):
             self.nodes.pop(rid, None)
-        snap = self.controller.snapshot(now)
+        snap = admission_snapshot.snapshot(self.controller, now)
         for row in snap["replicas"]:
             row.update(self.nodes.get(row["replica_id"], {}))
         snap["admission_node"] = self.node
@@ -166,7 +167,7 @@ class AdmissionClient:
                 self.controller.synced_at = None  # cut off: the view ages by the clock again (then fails open)
                 raise
             self.fetched_at = self.clock()
-            self.controller.restore(snapshot, self.fetched_at, asked_at)
+            admission_snapshot.restore(self.controller, snapshot, self.fetched_at, asked_at)
             self.kv_version = snapshot["kv"]["changes"]["version"]
             snapshot.pop("kv")
             self.snapshot = snapshot

@@ -1,4 +1,4 @@
-"""AdmissionConfig: the admission controller's settings (cluster/admission.py), validated."""
+"""AdmissionConfig: the admission controller's settings (cluster/admission_controller.py), validated."""
 
 from dataclasses import dataclass
 

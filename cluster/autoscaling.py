@@ -1,7 +1,7 @@
 """Replica autoscaling on KV-cache demand (and waiting queue), as a Ray Serve 2.60 policy.
 
 Demand is what a replica's KV cache is committed to: blocks held, the waiting prompts' blocks and the likely
-growth of what runs and waits (EngineStats.kv_demand). Admission charges that growth (cluster.admission) and
+growth of what runs and waits (EngineStats.kv_demand). Admission charges that growth (cluster.admission_controller) and
 fills a replica only to its high watermark of demand, so the blocks in use alone stay well below it (~0.5 of the
 cache on tests/e2e/test_cluster_e2e.py's load, where demand reads ~0.8) and would never call for a new replica.
 

@@ -13,7 +13,7 @@ for a request at once and a busy one gets the rest. Room frees a request at a ti
 would fit no one's next request: a router refused for want of lease claims what its request needs (`short`),
 and claims are served first come first served (a later grant leaves room for an earlier unmet claim). A
 request larger than an even share of an idle replica cannot wait for a lease; the router decides it on its
-own view (cluster.admission).
+own view (cluster.admission_controller).
 """
 
 import math

@@ -43,7 +43,7 @@ AdmissionArgs = switchable(
     "AdmissionArgs",
     AdmissionConfig,
     ("block_size", *RANKING),
-    "The admission actor (cluster/admission.py); enabled false: none, routers admit every request.",
+    "The admission actor (cluster/admission_controller.py); enabled false: none, routers admit every request.",
 )
 RequestRouterArgs = switchable(
     "RequestRouterArgs",

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.cluster.admission import AdmissionController
 from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
 from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.admission_controller import AdmissionController
+from conveyor.cluster.admission_snapshot import restore, snapshot
 from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.prefix_index import PrefixIndex
 from conveyor.cluster.queue_time import queue_time_s, retry_after_s
@@ -114,10 +115,10 @@ def test_actor_asks_for_a_listing_and_routers_follow_its_index():
     assert actor.report(stats("b")) == {"kv_reset": False}  # no events at all: a replica without KV events
     router = AdmissionController()
     snap = actor.sync([], None)
-    router.restore(snap, 0.0)
+    restore(router, snap, 0.0)
     assert router.cached_blocks("a", h) == 3 and router.cached_blocks("b", h) is None
     actor.report({**stats("a"), "kv_events": events([h[3]], [h[2]])})
-    router.restore(actor.sync([], snap["kv"]["changes"]["version"]), 0.0)
+    restore(router, actor.sync([], snap["kv"]["changes"]["version"]), 0.0)
     assert router.cached_blocks("a", h) == 2
     row = actor.snapshot()["replicas"][0]
     assert row["kv_index_reported"] and row["kv_index_blocks"] == 3
@@ -219,7 +220,7 @@ def test_max_queue_time_refuses_with_retry_after_and_counts_reservations():
     assert sorted(admitted) == ["a"] * 5 + ["b"] * 5
     assert (d.reason, d.retry_after_s) == ("queue_time", 1.0) and d.queue_time_s == pytest.approx(2.25)
     off = AdmissionController()  # off: today's behaviour, only KV room matters
-    off.restore(c.snapshot(0.1), 0.1)
+    restore(off, snapshot(c, 0.1), 0.1)
     assert off.config.max_queue_time_s == 2.0
     off.config = AdmissionConfig()
     assert off.decide(1, 0.1).admit

@@ -1,8 +1,8 @@
 """Placement by expected TTFT, without Ray: prefix affinity against queue time, hot prefixes spread by cache
 capacity, KV demand that charges only uncached blocks, and the rates and queue time that feed them."""
 
-from conveyor.cluster.admission import AdmissionController
 from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.admission_controller import AdmissionController
 from conveyor.cluster.hot_blocks import HotBlocks
 from conveyor.cluster.placement import Option, cost_s, rank
 from conveyor.cluster.prefix_index import PrefixIndex

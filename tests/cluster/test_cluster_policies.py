@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conveyor.cluster.admission import AdmissionController, Decision
 from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
 from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.admission_controller import AdmissionController, Decision
 from conveyor.cluster.admission_metrics import prometheus_text
+from conveyor.cluster.admission_snapshot import from_snapshot, restore, snapshot
 from conveyor.cluster.autoscaling import (
     KVCacheAutoscalingPolicy,
     KVScalingConfig,
@@ -214,14 +215,14 @@ def test_admission_batch_blocks_and_largest_sequence():
 def test_restore_keeps_unsettled_reservations_and_takes_config():
     actor = AdmissionController(AdmissionConfig(settle_s=0.3, retry_after_s=3.0))
     actor.update(rs("a", used=50), now=100.0)
-    router = AdmissionController.from_snapshot(actor.snapshot(now=100.0), now=10.0)
+    router = from_snapshot(snapshot(actor, now=100.0), now=10.0)
     assert router.config.retry_after_s == 3.0
     router.reserve("a", 45, now=10.0)
     actor.update(rs("a", used=50, ts=1), now=100.1)
-    router.restore(actor.snapshot(now=100.1), now=10.1)
+    restore(router, snapshot(actor, now=100.1), now=10.1)
     assert router.decide(10, now=10.1).reason == "no_room"
     actor.update(rs("a", used=95, ts=2), now=100.35)
-    router.restore(actor.snapshot(now=100.35), now=10.35)
+    restore(router, snapshot(actor, now=100.35), now=10.35)
     assert router.room("a") == 5
 
 
@@ -251,18 +252,18 @@ def test_snapshot_restore_rebases_ages():
     actor = AdmissionController()
     actor.update(rs("a", used=95), now=100.0)
     actor.update(rs("b", used=20, running=3), now=100.3)
-    snap = actor.snapshot(now=100.4)
+    snap = snapshot(actor, now=100.4)
     assert snap["totals"]["replicas"] == 2 and snap["totals"]["admitting"] == 1
     assert snap["totals"]["kv_cache_utilization"] == pytest.approx(0.575)
     assert snap["totals"]["prefix_cache_hit_rate"] == 0.0
-    router = AdmissionController.from_snapshot(snap, now=7.0)  # another host, another clock
+    router = from_snapshot(snap, now=7.0)  # another host, another clock
     assert router.decide(1, now=7.0).replicas == ["b"]
     # b was 0.1 s old at the sync: a router whose loop lags past staleness_s still judges it as of the sync ...
     assert router.decide(1, now=7.5).replicas == ["b"]
     assert router.decide(1, now=7.0 + 10.0).reason == "stale"  # ... up to drop_after_s
     router.synced_at = None  # cut off from the actor (AdmissionClient.refresh failed): by the clock, stale
     assert router.decide(1, now=7.5).reason == "stale"
-    late = AdmissionController.from_snapshot(actor.snapshot(now=101.0), now=7.0)  # b 0.7 s old at the actor
+    late = from_snapshot(snapshot(actor, now=101.0), now=7.0)  # b 0.7 s old at the actor
     assert late.decide(1, now=7.0).reason == "stale"
     assert router.replicas["a"].saturated
 

@@ -4,8 +4,9 @@ measured load cost): below the same blocks in a pool, above none."""
 
 import pytest
 
-from conveyor.cluster.admission import AdmissionController
 from conveyor.cluster.admission_actor import AdmissionActor
+from conveyor.cluster.admission_controller import AdmissionController
+from conveyor.cluster.admission_snapshot import restore
 from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.stats import ReplicaStats, block_hashes
 from tests.cluster.test_cluster_kv_slo import stats
@@ -55,5 +56,5 @@ def test_the_actor_passes_offloads_to_the_routers():
     actor.report({**stats("a"), "kv_events": events(H[:2], reset=True)})
     actor.report({**stats("a"), "kv_events": events(offloaded=H[:3])})
     router = AdmissionController()
-    router.restore(actor.sync([], None), 0.0)
+    restore(router, actor.sync([], None), 0.0)
     assert router.cached_blocks("a", H) == 0 and router.kv.match_lower("a", H, 0) == 3

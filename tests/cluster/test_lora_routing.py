@@ -5,7 +5,7 @@ goes to the best-scored, least-loaded replica."""
 import asyncio
 from types import SimpleNamespace
 
-from conveyor.cluster.admission import AdmissionController
+from conveyor.cluster.admission_controller import AdmissionController
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.score import LORA_MAX_IMBALANCE, prefer_resident
 from conveyor.cluster.stats import ReplicaStats
