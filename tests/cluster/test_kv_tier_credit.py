@@ -9,13 +9,9 @@ from conveyor.cluster.admission_controller import AdmissionController
 from conveyor.cluster.admission_snapshot import restore
 from conveyor.cluster.kv_index import KVIndex
 from conveyor.cluster.stats import ReplicaStats, block_hashes
-from tests.cluster.test_cluster_kv_slo import stats
+from tests.cluster.replica_stats import events, stats
 
 H = block_hashes(list(range(160)), 16)  # 10 blocks
-
-
-def events(stored=(), evicted=(), offloaded=(), reset=False) -> dict:
-    return {"stored": list(stored), "evicted": list(evicted), "offloaded": list(offloaded), "reset": reset}
 
 
 def test_the_index_follows_offloads_and_its_followers_too():

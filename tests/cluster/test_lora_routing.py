@@ -10,7 +10,7 @@ from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.score import LORA_MAX_IMBALANCE, prefer_resident
 from conveyor.cluster.stats import ReplicaStats
 from conveyor.engine.stats import EngineStats
-from tests.cluster.test_cluster_policies import FakeReplica, _router
+from tests.cluster.fake_replicas import FakeReplica, _router
 
 
 def es(running: int, adapters: list[str]) -> dict:
