@@ -6,9 +6,9 @@ import random
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
-from benchmarks.sse import read_completion_stream, server_timing_ms
+from benchmarks.http_client import complete, fetch_json, session
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
@@ -16,7 +16,7 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 async def stream_one(
-    client: httpx.AsyncClient, path: str, prompt: list[int], max_tokens: int, retry: bool
+    client: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, retry: bool
 ) -> dict[str, Any]:
     """TTFT from the first attempt (a retried 429 waits its Retry-After), tokens, status, Retry-After."""
     body = {
@@ -29,42 +29,34 @@ async def stream_one(
     }
     refused, start = 0, time.perf_counter()
     while True:
-        try:
-            async with client.stream("POST", f"{path}/v1/completions", json=body) as r:
-                if r.status_code == 429 and retry:
-                    refused += 1
-                    await asyncio.sleep(float(r.headers.get("retry-after", 1)))
-                    continue
-                if r.status_code != 200:
-                    await r.aread()
-                    return {
-                        "status": r.status_code,
-                        "retry_after": r.headers.get("retry-after"),
-                        "refused": refused,
-                        "latency": time.perf_counter() - start,
-                        "code": r.json().get("error", {}).get("code") if r.status_code in (429, 503) else None,
-                    }
-                timing = server_timing_ms(r.headers.get("server-timing", ""))
-                router_ms, replica_ms = timing.get("router"), timing.get("replica")
-                ingress_ms, egress_ms, admission_ms = (
-                    timing.get("ingress"),
-                    timing.get("egress"),
-                    timing.get("admission"),
-                )
-                ttft, tokens = await read_completion_stream(r.aiter_lines(), start)
-        except httpx.HTTPError as e:
-            return {"status": -1, "error": repr(e), "refused": refused}
+        c = await complete(client, f"{url}/v1/completions", body)
+        if c.status == 429 and retry:
+            refused += 1
+            await asyncio.sleep(float(c.retry_after or 1))
+            continue
+        break
+    if c.status == -1:
+        return {"status": -1, "error": c.error, "refused": refused}
+    if c.status != 200:
         return {
-            "status": 200,
-            "ttft": ttft if ttft is not None else time.perf_counter() - start,
-            "tokens": tokens,
+            "status": c.status,
+            "retry_after": c.retry_after,
             "refused": refused,
-            "router_ttft": router_ms / 1000 if router_ms is not None else None,
-            "replica_ttft": replica_ms / 1000 if replica_ms is not None else None,
-            "ingress": ingress_ms / 1000 if ingress_ms is not None else None,
-            "egress": egress_ms / 1000 if egress_ms is not None else None,
-            "admission": admission_ms / 1000 if admission_ms is not None else None,
+            "latency": c.done - start,
+            "code": c.error_code if c.status in (429, 503) else None,
         }
+    timing = {k: v / 1000 for k, v in c.server_timing.items()}
+    return {
+        "status": 200,
+        "ttft": (c.chunks[0] if c.chunks else time.perf_counter()) - start,
+        "tokens": c.tokens,
+        "refused": refused,
+        "router_ttft": timing.get("router"),
+        "replica_ttft": timing.get("replica"),
+        "ingress": timing.get("ingress"),
+        "egress": timing.get("egress"),
+        "admission": timing.get("admission"),
+    }
 
 
 async def closed_loop(
@@ -74,11 +66,11 @@ async def closed_loop(
     for p in prompts:
         queue.put_nowait(p)
     results: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=concurrency + 2)) as c:
+    async with session(concurrency + 2, timeout_s=300) as c:
 
         async def worker() -> None:
             while not queue.empty():
-                results.append(await stream_one(c, path, queue.get_nowait(), max_tokens, retry))
+                results.append(await stream_one(c, url + path, queue.get_nowait(), max_tokens, retry))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -99,13 +91,13 @@ async def open_loop(
     samples: list[tuple[float, dict, dict]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_pressure(actor, stop, 0.02, samples)) if actor is not None else None
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=2000)) as c:
+    async with session(2000, timeout_s=300) as c:
         tasks, start = [], time.perf_counter()
         while time.perf_counter() - start < duration:
             prompt = rand_tokens(rng, rng.randint(*prompt_len))
 
             async def one(prompt: list[int] = prompt, sent: float = time.perf_counter()) -> dict[str, Any]:
-                return {**await stream_one(c, path, prompt, max_tokens, retry=False), "sent": sent}
+                return {**await stream_one(c, url + path, prompt, max_tokens, retry=False), "sent": sent}
 
             tasks.append(asyncio.create_task(one()))
             await asyncio.sleep(rng.expovariate(rate))
@@ -117,8 +109,8 @@ async def open_loop(
 
 
 async def cluster_view(url: str, path: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-        return (await c.get(f"{path}/v1/cluster")).json()
+    async with session(1, timeout_s=30) as c:
+        return await fetch_json(c, f"{url}{path}/v1/cluster")
 
 
 def per_replica(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[int, float]]:

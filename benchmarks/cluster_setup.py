@@ -7,8 +7,7 @@ import socket
 import time
 from typing import Any
 
-import httpx
-
+from benchmarks.http_client import post_json
 from benchmarks.local_ray import ray_temp_dir, start_local_ray
 from conveyor.deployments.ingress import use_haproxy
 
@@ -75,4 +74,4 @@ def deploy(url: str, apps: dict[str, Any]) -> None:
     serve.run_many([serve.RunTarget(build_app(a), name=name, route_prefix=f"/{name}") for name, a in apps.items()])
     for name in apps:
         for _ in range(4):
-            httpx.post(f"{url}/{name}/v1/completions", json={"prompt": [7] * 40, "max_tokens": 4}, timeout=60)
+            post_json(f"{url}/{name}/v1/completions", {"prompt": [7] * 40, "max_tokens": 4}, timeout_s=60)

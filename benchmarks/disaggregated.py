@@ -7,10 +7,10 @@ import asyncio
 import time
 from typing import Any
 
-import httpx
 import ray
 from ray import serve
 
+from benchmarks.http_client import get_json
 from benchmarks.serve_bench import print_summary, run
 
 ENGINE = {"dtype": "float32", "max_num_seqs": 16, "max_num_batched_tokens": 256, "num_blocks": 256}
@@ -23,9 +23,9 @@ def deploy_and_wait(app: dict[str, Any], port: int) -> None:
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
+            get_json(f"http://127.0.0.1:{port}/v1/models", timeout_s=5)
+            return
+        except (OSError, ValueError):
             pass
         time.sleep(1)
     raise TimeoutError("the app did not come up")

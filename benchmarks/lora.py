@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
+from benchmarks.http_client import complete, get_json, session
 from benchmarks.percentiles import percentile
-from benchmarks.sse import read_completion_stream
 
 RANK = 8
 
@@ -90,30 +90,27 @@ def step_times(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-async def stream_one(client: httpx.AsyncClient, path: str, model: str, prompt: list[int], tokens: int) -> dict:
+async def stream_one(client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    start = time.perf_counter()
-    async with client.stream("POST", f"{path}/v1/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"status": r.status_code, "error": r.text[:200]}
-        ttft, n = await read_completion_stream(r.aiter_lines(), start)
-    return {"status": 200, "ttft": ttft if ttft is not None else time.perf_counter() - start, "tokens": n}
+    c = await complete(client, f"{url}/v1/completions", {**body, "stream": True})
+    if not c.ok:
+        return {"status": c.status, "error": c.error}
+    return {"status": 200, "ttft": (c.chunks[0] if c.chunks else c.done) - c.sent, "tokens": c.tokens}
 
 
 async def open_loop(url: str, path: str, work: list[tuple[float, str, list[int]]], tokens: int) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as c:
+    async with session(256) as c:
         start = time.perf_counter()
 
         async def one(at: float, model: str, prompt: list[int]) -> dict:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-            return await stream_one(c, path, model, prompt, tokens)
+            return await stream_one(c, url + path, model, prompt, tokens)
 
         return await asyncio.gather(*(one(*w) for w in work))
 
 
 def loads(url: str, path: str) -> int:
-    view = httpx.get(f"{url}{path}/v1/cluster", timeout=30).json()
+    view = get_json(f"{url}{path}/v1/cluster")
     return sum(r.get("num_lora_loads", 0) for r in view["replicas"])
 
 

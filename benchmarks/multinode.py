@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import psutil
 
 from benchmarks import serve_bench
+from benchmarks.http_client import fetch_json, get_json, session
 
 SLOT = "conveyor_replica"
 
@@ -79,10 +80,10 @@ def deploy(args: argparse.Namespace, replicas: int, port: int) -> str:
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            rows = httpx.get(f"{url}/v1/cluster", timeout=10).json()["replicas"]
+            rows = get_json(f"{url}/v1/cluster", timeout_s=10)["replicas"]
             if sum(r["fresh"] for r in rows) == replicas:
                 return url
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError):
             pass
         time.sleep(1)
     raise RuntimeError(f"{replicas} replicas did not report within 300 s")
@@ -126,7 +127,7 @@ async def loss_timeline(args: argparse.Namespace, cluster: Any, url: str) -> dic
     t0 = time.perf_counter()
     killed_at: float | None = None
 
-    async def worker(http: httpx.AsyncClient, w: int) -> None:
+    async def worker(http: aiohttp.ClientSession, w: int) -> None:
         i = w
         while time.perf_counter() - t0 < args.loss_duration:
             r = serve_bench.RequestResult(0.0, 64)
@@ -135,7 +136,7 @@ async def loss_timeline(args: argparse.Namespace, cluster: Any, url: str) -> dic
             ends[i] = (time.perf_counter() - t0, r.ok)
             i += args.loss_concurrency
 
-    async def sample(http: httpx.AsyncClient) -> None:
+    async def sample(http: aiohttp.ClientSession) -> None:
         nonlocal killed_at
         while time.perf_counter() - t0 < args.loss_duration + 30 and (
             len(ends) < len(starts) or time.perf_counter() - t0 < args.loss_duration
@@ -145,8 +146,8 @@ async def loss_timeline(args: argparse.Namespace, cluster: Any, url: str) -> dic
                 killed_at = now
                 cluster.remove_node(victim, allow_graceful=False)
             try:
-                rows = (await http.get(f"{url}/v1/cluster", timeout=5)).json()["replicas"]
-            except (httpx.HTTPError, ValueError, KeyError):
+                rows = (await fetch_json(http, f"{url}/v1/cluster", timeout_s=5))["replicas"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
                 rows = []
             per_node: dict[str, int] = {}
             for row in rows:
@@ -163,8 +164,7 @@ async def loss_timeline(args: argparse.Namespace, cluster: Any, url: str) -> dic
             )
             await asyncio.sleep(0.25)
 
-    limits = httpx.Limits(max_connections=args.loss_concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30), limits=limits) as http:
+    async with session(args.loss_concurrency + 4, 120, connect_s=30) as http:
         await asyncio.gather(sample(http), *(worker(http, w) for w in range(args.loss_concurrency)))
     errors_after = [t for t, ok in ends.values() if not ok and killed_at is not None and t >= killed_at]
     return {

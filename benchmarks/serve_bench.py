@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.http_client import complete, session
 from benchmarks.lengths import Lengths, text_prompts, token_prompts
 from benchmarks.percentiles import summary as percentiles
 
@@ -92,49 +93,16 @@ class Client:
             b["stream_options"] = {"include_usage": True}
         return b
 
-    async def send(self, http: httpx.AsyncClient, body: dict[str, Any], r: RequestResult, t0: float) -> None:
-        sent = time.perf_counter()
-        r.start_s = sent - t0
-        try:
-            if not body["stream"]:
-                resp = await http.post(self.url, json=body, headers=self.headers)
-                r.e2e_s = r.ttft_s = time.perf_counter() - sent
-                resp.raise_for_status()
-                r.output_tokens = resp.json()["usage"]["completion_tokens"]
-                r.chunk_times_s = [r.start_s + r.e2e_s]
-                r.ok = True
-                return
-            last, chunks, usage = None, 0, None
-            async with http.stream("POST", self.url, json=body, headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise httpx.HTTPStatusError(
-                        f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request, response=resp
-                    )
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(str(event["error"])[:200])
-                    usage = event.get("usage") or usage
-                    choice = (event.get("choices") or [{}])[0]
-                    piece = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
-                    if not piece:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        r.ttft_s = now - sent
-                    else:
-                        r.itl_s.append(now - last)
-                    r.chunk_times_s.append(now - t0)
-                    last, chunks = now, chunks + 1
-            r.e2e_s = time.perf_counter() - sent
-            r.output_tokens = usage["completion_tokens"] if usage else chunks
-            r.ok = r.ttft_s is not None
-            r.error = "" if r.ok else "no content in the stream"
-        except Exception as e:
-            r.error = f"{type(e).__name__}: {e}"[:300]
+    async def send(self, http: aiohttp.ClientSession, body: dict[str, Any], r: RequestResult, t0: float) -> None:
+        c = await complete(http, self.url, body, self.headers)
+        r.start_s = c.sent - t0
+        r.e2e_s = c.done - c.sent
+        r.ttft_s = c.ttft_s
+        r.itl_s = c.gaps_s
+        r.chunk_times_s = [t - t0 for t in c.chunks] if body["stream"] else [r.start_s + r.e2e_s]
+        r.output_tokens = c.tokens
+        r.ok = c.ok and r.ttft_s is not None
+        r.error = c.error or ("" if r.ok else "no content in the stream")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,8 +124,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     client, results, tasks = Client(args), [], []
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
     bar = tqdm(total=args.num_requests or None, desc="bench serve", unit="req", disable=args.quiet)
-    timeout = httpx.Timeout(args.timeout, connect=30)
-    limits = httpx.Limits(max_connections=args.concurrency or 1000, max_keepalive_connections=args.concurrency or 1000)
 
     async def one(i: int, t0: float) -> None:
         p = prompts[i % pool]
@@ -170,7 +136,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 limit.release()
             bar.update(1)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with session(args.concurrency or 1000, args.timeout, connect_s=30) as http:
         t0 = time.perf_counter()
         for i in range(n):
             if args.duration and time.perf_counter() - t0 >= args.duration:

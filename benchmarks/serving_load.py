@@ -4,16 +4,11 @@ between stream chunks (ITL), the TTFT the Serve layer adds, CPU seconds by proce
 import asyncio
 import os
 import time
-from typing import Any
 
 import aiohttp
 import psutil
 
-from benchmarks.sse import aiohttp_lines, read_completion_stream, server_timing_ms
-
-
-def replica_ms(headers: Any) -> float:
-    return server_timing_ms(headers["server-timing"])["replica"]
+from benchmarks.http_client import complete, first_event_s, session
 
 
 async def http_request(
@@ -25,8 +20,7 @@ async def http_request(
     model: str,
     gaps: list[float] | None = None,
 ) -> tuple[float | None, float, int]:
-    """aiohttp, as vLLM's serving benchmark uses: on 2 shared cores the client's own CPU is part of the load
-    (httpx's stream reader measured ~30% of a core at 1600 tok/s)."""
+    """(TTFT (streams only), the replica's own time to its first deltas in ms, completion tokens)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -36,16 +30,12 @@ async def http_request(
         "stream": stream,
         **({"stream_options": {"include_usage": True}} if stream else {}),
     }
-    start = time.perf_counter()
-    async with client.post(f"{url}v1/completions", json=body) as r:
-        r.raise_for_status()
-        if not stream:
-            return None, replica_ms(r.headers), (await r.json())["usage"]["completion_tokens"]
-        arrivals: list[float] = []
-        ttft, tokens = await read_completion_stream(aiohttp_lines(r), start, arrivals)
+    c = await complete(client, f"{url}v1/completions", body)
+    if not c.ok:
+        raise RuntimeError(f"{url}: {c.error}")
     if gaps is not None:
-        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return ttft, replica_ms(r.headers), tokens
+        gaps += c.gaps_s
+    return c.ttft_s if stream else None, c.server_timing["replica"], c.tokens
 
 
 ROLES = (
@@ -73,12 +63,6 @@ def cpu_by_role() -> dict[str, float]:
     return totals
 
 
-def session(connections: int) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=600)
-    )
-
-
 async def http_throughput(
     url: str, prompts: list[list[int]], max_tokens: int, stream: bool, model: str, concurrency: int
 ) -> tuple[float, int, list[float], list[float]]:
@@ -98,15 +82,6 @@ async def http_throughput(
     return elapsed, sum(t for _, _, t in res), [t for t, _, _ in res if t is not None], gaps
 
 
-async def first_line_s(client: aiohttp.ClientSession, url: str) -> float:
-    start = time.perf_counter()
-    async with client.post(url, json={}) as r:
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                return time.perf_counter() - start
-    raise RuntimeError(f"{url}: no data")
-
-
 async def http_ttfts(variants: dict[str, str], prompts: list[list[int]], model: str) -> dict[str, list[float]]:
     """Per variant (name -> full URL prefix), HTTP TTFT minus the replica's own time to first deltas (the
     floor app: its whole TTFT), one request per variant per prompt, round-robin."""
@@ -115,7 +90,7 @@ async def http_ttfts(variants: dict[str, str], prompts: list[list[int]], model: 
         for i, p in enumerate(prompts):
             for name, prefix in variants.items():
                 if name.endswith("bare Serve app"):
-                    t = await first_line_s(client, prefix)
+                    t = await first_event_s(client, prefix)
                 else:
                     ttft, rep, _ = await http_request(client, prefix, p, 1, True, model)
                     t = ttft - rep / 1000

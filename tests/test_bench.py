@@ -1,6 +1,7 @@
 """The step trace records exactly the steps the scheduler ran; `conveyor bench throughput | timeline` run
 end to end on demo:tiny and write valid JSON and PNG files (`bench serve` runs in tests/serve/test_metrics.py,
-against the served app); the cluster bench waits for ports a previous run still holds."""
+against the served app); the cluster bench waits for ports a previous run still holds; the benchmarks' HTTP
+client reads what a server answers."""
 
 import json
 import random
@@ -193,3 +194,62 @@ def test_cluster_bench_waits_for_ports_the_last_run_still_holds() -> None:
         busy.listen()
         with pytest.raises(RuntimeError, match="still in use"):
             wait_for_ports([("127.0.0.1", busy.getsockname()[1])], timeout_s=0.2)
+
+
+def test_http_client_reads_streams_refusals_and_whole_answers() -> None:
+    """The benchmarks' client against a real HTTP server on 127.0.0.1: a stream's content chunks, usage and
+    Server-Timing; an SSE error event; a 429's Retry-After and error code; a whole answer; no server at all."""
+    import asyncio
+
+    from aiohttp import web
+
+    from benchmarks.http_client import complete, session
+
+    def sse(event: dict) -> bytes:
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["prompt"] == "refuse":
+            error = {"error": {"message": "busy", "type": "rate_limited", "code": "queue_time"}}
+            return web.json_response(error, status=429, headers={"Retry-After": "2"})
+        if not body["stream"]:
+            return web.json_response({"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}})
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Server-Timing": "replica;dur=4.5"})
+        await r.prepare(request)
+        chunks = [{"choices": [{"text": t}]} for t in ("", "a", "b")]
+        if body["prompt"] == "fail":
+            chunks.append({"error": {"message": "engine died", "code": 500}})
+        for event in chunks:
+            await r.write(sse(event))
+            await asyncio.sleep(0.01)
+        await r.write(sse({"choices": [], "usage": {"completion_tokens": 2}}) + b"data: [DONE]\n\n")
+        return r
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        try:
+            async with session(4, timeout_s=10) as client:
+                ok = await complete(client, url, {"prompt": "x", "stream": True})
+                assert ok.ok and ok.tokens == 2 and len(ok.chunks) == 2 and ok.server_timing == {"replica": 4.5}
+                assert 0 < ok.ttft_s <= ok.done - ok.sent and len(ok.gaps_s) == 1 and ok.gaps_s[0] >= 0.005
+                failed = await complete(client, url, {"prompt": "fail", "stream": True})
+                assert failed.status == 200 and not failed.ok and "engine died" in failed.error
+                refused = await complete(client, url, {"prompt": "refuse", "stream": True})
+                assert (refused.status, refused.retry_after, refused.error_code) == (429, "2", "queue_time")
+                assert not refused.ok and refused.ttft_s is None and "busy" in refused.error
+                whole = await complete(client, url, {"prompt": "x", "stream": False})
+                assert whole.ok and whole.tokens == 2 and whole.chunks == [] and whole.ttft_s == whole.done - whole.sent
+                await runner.cleanup()
+                gone = await complete(client, url, {"prompt": "x", "stream": True})
+                assert gone.status == -1 and not gone.ok and gone.error
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
