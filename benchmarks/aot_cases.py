@@ -142,7 +142,7 @@ class AotLaunch:
 @dataclass
 class AotReport:
     results: list[AotResult]
-    unlaunched: list[str]  # kernels in kernels/triton_kernels.py that no case launches
+    unlaunched: list[str]  # kernels in kernels/triton_kernels.py and triton_lora_kernels.py that no case launches
     seconds: float
 
     def problems(self) -> list[str]:

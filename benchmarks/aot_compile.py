@@ -36,9 +36,10 @@ def _jit_functions() -> dict[str, Any]:
     """The JIT functions the launchers of _triton_ops() (call it first) can launch or inline."""
     from triton.runtime.jit import JITFunction
 
-    from conveyor.kernels import triton_kernels
+    from conveyor.kernels import triton_kernels, triton_lora_kernels
 
-    return {name: obj for name, obj in vars(triton_kernels).items() if isinstance(obj, JITFunction)}
+    modules = (triton_kernels, triton_lora_kernels)
+    return {name: obj for m in modules for name, obj in vars(m).items() if isinstance(obj, JITFunction)}
 
 
 def _device_functions(functions: dict[str, Any]) -> set[str]:

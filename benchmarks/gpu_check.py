@@ -5,9 +5,10 @@ cache), and bfloat16 tok/s on the seed workload. `python -m benchmarks.gpu_check
 mismatch, within ~8 minutes on one GPU.
 
 `python -m benchmarks.gpu_check --aot` needs no GPU: it compiles every Triton kernel the engine launches
-(kernels/triton_kernels.py) for sm_80 and sm_90 with the constexprs and launch options the launchers
-(kernels/triton_ops.py) pick, and fails on register spills, shared memory over the target's limit, or a
-16-bit tl.dot without tensor-core MMA in the SASS. Results are cached under ~/.cache/conveyor/triton-aot/."""
+(kernels/triton_kernels.py, kernels/triton_lora_kernels.py) for sm_80 and sm_90 with the constexprs and launch
+options the launchers (kernels/triton_ops.py) pick, and fails on register spills, shared memory over the
+target's limit, or a 16-bit tl.dot without tensor-core MMA in the SASS. Results are cached under
+~/.cache/conveyor/triton-aot/."""
 
 import argparse
 import subprocess

@@ -1,6 +1,7 @@
 """Triton paged attention, the launchers: same signatures and layouts as kernels.reference (see its
 docstring); and batched LoRA's shrink and expand over slot segments (engine/model/lora.py, whose torch path
-is their oracle). The kernels they launch are in kernels/triton_kernels.py."""
+is their oracle). The kernels they launch are in kernels/triton_kernels.py and
+kernels/triton_lora_kernels.py."""
 
 import torch
 import triton
@@ -8,12 +9,11 @@ import triton.language as tl
 
 from conveyor.kernels.triton_kernels import (
     _decode_kernel,
-    _lora_expand_kernel,
-    _lora_shrink_kernel,
     _prefill_kernel,
     _reduce_splits_kernel,
     _store_kv_kernel,
 )
+from conveyor.kernels.triton_lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 
 LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
