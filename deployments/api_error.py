@@ -1,5 +1,7 @@
 """APIError: a request refused with an HTTP status, and the OpenAI error body it answers with."""
 
+import math
+
 from pydantic import BaseModel
 
 
@@ -28,5 +30,21 @@ class APIError(Exception):
         self.status, self.param, self.type, self.retry_after_s = status, param, type, retry_after_s
         self.code = status if code is None else code
 
+    def headers(self) -> dict[str, str]:
+        """A refusal for load (429, 503) says when to come back, in whole seconds."""
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.status in (429, 503) else {}
+
     def response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=str(self), type=self.type, param=self.param, code=self.code))
+
+
+def queue_time_error(limit_s: float, wait_s: float, retry_after_s: float) -> APIError:
+    """Admission's refusal when the shortest queue is longer than the queue-time objective."""
+    return APIError(
+        f"overloaded: every replica's queue is longer than the {limit_s:g}s objective (shortest "
+        f"{wait_s:.1f}s); retry after {retry_after_s:g}s",
+        status=429,
+        type="rate_limit_error",
+        code="queue_time",
+        retry_after_s=retry_after_s,
+    )

@@ -19,8 +19,9 @@ from conveyor.cluster.admission_metrics import prometheus_text
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
-from conveyor.deployments.api_error import APIError
+from conveyor.deployments.api_error import APIError, queue_time_error
 from conveyor.deployments.disaggregation import can_hand_off, disaggregated_stream
+from conveyor.deployments.door import Door
 from conveyor.deployments.drain import Drain
 from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
 from conveyor.deployments.metrics import ResponseCounter, RouterMetrics
@@ -125,6 +126,7 @@ class Router:
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if args.admission else None
         if self.gate is not None:
             self.gate.start()
+            HTTPGuard.door = Door(self.gate, self.metrics.admission.labels(admitted="false", reason="queue_time").inc)
             self.metrics.queued.set_function(lambda: self.gate.queued)
             self._metrics_pusher = asyncio.create_task(self._push_metrics())
 
@@ -238,6 +240,7 @@ class Router:
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
         keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS, adapter and adapter[1])
         d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
+        Door.decided()
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
             return RoutingHint.from_token_ids(
@@ -260,15 +263,7 @@ class Router:
                 retry_after_s=d.retry_after_s,
             )
         if d.reason == "queue_time":
-            limit = self.gate.controller.config.max_queue_time_s
-            raise APIError(
-                f"overloaded: every replica's queue is longer than the {limit:g}s objective (shortest "
-                f"{d.queue_time_s:.1f}s); retry after {d.retry_after_s:g}s",
-                status=429,
-                type="rate_limit_error",
-                code=d.reason,
-                retry_after_s=d.retry_after_s,
-            )
+            raise queue_time_error(self.gate.controller.config.max_queue_time_s, d.queue_time_s, d.retry_after_s)
         raise APIError(
             f"overloaded: no replica has KV-cache room for this request ({d.reason}); retry after {d.retry_after_s:g}s",
             status=429,
