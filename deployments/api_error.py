@@ -4,6 +4,8 @@ import math
 
 from pydantic import BaseModel
 
+from conveyor.cluster.admission import Decision
+
 
 class ErrorInfo(BaseModel):
     message: str
@@ -47,4 +49,27 @@ def queue_time_error(limit_s: float, wait_s: float, retry_after_s: float) -> API
         type="rate_limit_error",
         code="queue_time",
         retry_after_s=retry_after_s,
+    )
+
+
+def admission_refusal(d: Decision, where: str, largest_blocks: int, max_queue_time_s: float) -> APIError:
+    """The answer to a request admission refused (`d`); `where`: the request's prompt field."""
+    if d.reason == "prompt_too_large":
+        return APIError(f"the {where} needs {largest_blocks} KV-cache blocks, more than any replica has", param=where)
+    if d.reason in ("no_replicas", "stale"):
+        return APIError(
+            f"no replica is reporting its load ({d.reason}); retry later",
+            status=503,
+            type="service_unavailable",
+            code=d.reason,
+            retry_after_s=d.retry_after_s,
+        )
+    if d.reason == "queue_time":
+        return queue_time_error(max_queue_time_s, d.queue_time_s, d.retry_after_s)
+    return APIError(
+        f"overloaded: no replica has KV-cache room for this request ({d.reason}); retry after {d.retry_after_s:g}s",
+        status=429,
+        type="rate_limit_error",
+        code=d.reason,
+        retry_after_s=d.retry_after_s,
     )
