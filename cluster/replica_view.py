@@ -199,17 +199,19 @@ class ReplicaView:
         lower tier, each worth what its load saves (1 - load_cost)."""
         return cached + lower * (1.0 - self.load_cost(replica_id)) if lower else float(cached)
 
-    def queue_time(self, replica_id: str, shared: int | None = None) -> float:
+    def queue_time(self, replica_id: str, shared: int | None = None, extra_requests: int = 0) -> float:
         """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety.
         With `shared` (for ranking, not admission): of this router's reservations only those newer than the
         replica's last stats count as queued prefill (older ones started or finished, as a rule, long before
-        they settle), less the `shared` blocks the request shares with them (computed once for both)."""
+        they settle), less the `shared` blocks the request shares with them (computed once for both).
+        `extra_requests`: requests ahead of it that admission has not decided yet (their size unknown)."""
         e = self.replicas[replica_id]
         blocks, requests = self.reserved(replica_id)
         if shared is not None:
             blocks = self.unseen_blocks(replica_id) - shared
         tokens = max(0, blocks) * self.config.block_size
-        return queue_time_s(e.stats, e.rates, requests, tokens, self.config.block_size) * self.config.queue_time_safety
+        wait = queue_time_s(e.stats, e.rates, requests + extra_requests, tokens, self.config.block_size)
+        return wait * self.config.queue_time_safety
 
     def idle(self) -> bool:
         """No replica runs or queues a request, and no reservation is outstanding."""

@@ -20,6 +20,7 @@ from conveyor.cluster.stats import num_blocks
 from conveyor.deployments.api_error import APIError
 from conveyor.deployments.kv_autoscaling import KVAutoscaling
 from conveyor.deployments.protocol import Chunk, GenerateRequest
+from conveyor.deployments.replica_errors import cause, replica_lost
 
 if TYPE_CHECKING:
     from conveyor.deployments.router import Router
@@ -72,8 +73,6 @@ class HandoffRefused(RuntimeError):
 
 def retry_reason(e: BaseException) -> str | None:
     """Why another decode replica may take the handoff ("refused", "lost"), or None when none can help."""
-    from conveyor.deployments.router import replica_lost  # the router imports this module
-
     if isinstance(e, HandoffRefused):
         return "refused"
     return "lost" if replica_lost(e) else None
@@ -98,8 +97,6 @@ async def disaggregated_stream(
     yield first
     if handoff is None:
         return
-    from conveyor.deployments.router import cause  # the router imports this module
-
     blocks = num_blocks(len(req.prompts[0]) + 1, router.block_size)
     refused: list[str] = []
     errors: list[str] = []

@@ -1,5 +1,6 @@
 """The HTTP edge: API key, body size, content type, UTF-8 and JSON depth are checked before FastAPI parses
-anything, so a hostile body never reaches pydantic, the tokenizer or the engine."""
+anything, so a hostile body never reaches pydantic, the tokenizer or the engine. After the key, and before the
+body is read, a generation request may be refused for load (`door`: the router's admission door)."""
 
 import hmac
 import json
@@ -8,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.deployments.api_error import APIError
+from conveyor.deployments.door import Door
 
 MAX_JSON_DEPTH = 64
 OPEN_PATHS = ("/health", "/metrics")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,11 @@ def check_body(body: bytes) -> None:
 
 
 class HTTPGuard:
-    """ASGI middleware; `config` is set by the Router of this process (one per Serve replica)."""
+    """ASGI middleware; `config` and `door` (with admission) are set by the Router of this process (one per
+    Serve replica)."""
 
     config = GuardConfig()
+    door: Door | None = None
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -65,13 +70,21 @@ class HTTPGuard:
         cfg, headers = self.config, {k.lower(): v for k, v in scope.get("headers", [])}
         try:
             path, root = scope.get("path", ""), scope.get("root_path", "")
-            self.authorize(cfg, path[len(root) :] if root and path.startswith(root) else path, headers)
+            path = path[len(root) :] if root and path.startswith(root) else path
+            self.authorize(cfg, path, headers)
             if scope.get("method") not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, send)
-            body = await self.read_body(cfg, headers, receive)
-            if body is None:
-                return  # the client left before its body arrived: nothing to answer
-            check_body(body)
+            door = HTTPGuard.door if path in GENERATION_PATHS else None
+            if door is not None and (refusal := door.enter()) is not None:
+                raise refusal
+            try:
+                body = await self.read_body(cfg, headers, receive)
+                if body is None:
+                    return  # the client left before its body arrived: nothing to answer
+                check_body(body)
+            except APIError:
+                Door.decided()
+                raise
         except APIError as e:
             return await self.refuse(e, send)
         replayed = False
@@ -83,7 +96,10 @@ class HTTPGuard:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            Door.decided()
 
     @staticmethod
     def authorize(cfg: GuardConfig, path: str, headers: dict[bytes, bytes]) -> None:
@@ -127,6 +143,7 @@ class HTTPGuard:
     async def refuse(e: APIError, send: Any) -> None:
         body = json.dumps(e.response().model_dump()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in e.headers().items()]
         if e.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         await send({"type": "http.response.start", "status": e.status, "headers": headers})

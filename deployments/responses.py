@@ -1,4 +1,3 @@
-import math
 import time
 from typing import Any, Callable
 
@@ -42,8 +41,7 @@ def sse_error(message: str, type: str = "internal_error", code: int = 500) -> st
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))} if e.status in (429, 503) else None
-    return JSONResponse(e.response().model_dump(), status_code=e.status, headers=headers)
+    return JSONResponse(e.response().model_dump(), status_code=e.status, headers=e.headers() or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,6 +11,7 @@ from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.api_error import APIError
 from conveyor.deployments.protocol import Delta, GenerateRequest
+from conveyor.deployments.replica_errors import param_of
 from conveyor.deployments.request_models import ChatCompletionRequest, CompletionRequest
 from conveyor.deployments.responses import DONE, ResponseBuilder, merge_deltas, sse_error
 
@@ -187,9 +188,9 @@ def test_router_error_handlers() -> None:
     body = json.loads(resp.body)
     assert resp.status_code == 400 and body["error"]["param"] == "temperature"
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert router_module.param_of("SamplingParams.min_tokens must be in [0, max_tokens=3]") == "min_tokens"
-    assert router_module.param_of("prompt + max_tokens (9 + 9) needs 2 KV blocks but the cache holds 1") == "max_tokens"
-    assert router_module.param_of("prompt_token_ids: 9 is outside the vocabulary [0, 8)") == "prompt"
+    assert param_of("SamplingParams.min_tokens must be in [0, max_tokens=3]") == "min_tokens"
+    assert param_of("prompt + max_tokens (9 + 9) needs 2 KV blocks but the cache holds 1") == "max_tokens"
+    assert param_of("prompt_token_ids: 9 is outside the vocabulary [0, 8)") == "prompt"
 
 
 def test_app_args_fail_naming_the_field() -> None:

@@ -48,7 +48,7 @@ def test_the_app_is_a_router_bound_to_a_replica() -> None:
 def test_the_http_router_imports_no_torch() -> None:
     """The light edge: the router (and the request types, limits and tokenizer it uses) loads without torch."""
     code = (
-        "import sys, conveyor.deployments.router as r; from conveyor.engine.checkpoints.model_source import resolve_model; "
+        "import sys, conveyor.deployments.router; import conveyor.deployments.preprocessor as r; from conveyor.engine.checkpoints.model_source import resolve_model; "
         "t = r.PreTrainedTokenizerFast.from_pretrained(resolve_model('demo:tiny')); t('hi'); "
         "r.RequestLimits(8192, 64, 16, 4).check(t('hi').input_ids, r.SamplingParams(max_tokens=4)); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
