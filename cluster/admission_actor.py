@@ -39,6 +39,7 @@ class AdmissionActor:
         self.metric_dumps: dict[str, list[dict[str, Any]]] = {}
         self.node = node_of_this_process()
         self.nodes: dict[str, dict[str, str]] = {}  # replica id -> {"node_id", "node_ip"}, as the replica reported
+        self.loras: dict[str, str] = {}  # LoRA adapters loaded at run time through any router: name -> path
 
     def report(self, stats: dict[str, Any]) -> dict[str, Any]:
         """A replica's push: its stats, under "kv_events" its KVEvents dict, under "metrics" its metric families.
@@ -87,6 +88,17 @@ class AdmissionActor:
         if replica_id in self.metric_dumps:  # a departed source keeps its counters, so sums never go back
             self.metric_dumps[replica_id] = [f for f in self.metric_dumps[replica_id] if f["type"] != "gauge"]
 
+    def register_lora(self, name: str, path: str) -> str | None:
+        """Serve adapter `name` from `path` on every router (snapshots carry the registry); if the name is taken,
+        the path it names, and nothing changes."""
+        if name in self.loras:
+            return self.loras[name]
+        self.loras[name] = path
+        return None
+
+    def unregister_lora(self, name: str) -> bool:
+        return self.loras.pop(name, None) is not None
+
     def report_metrics(self, source: str, dump: list[dict[str, Any]]) -> None:
         """Prometheus families (deployments.metrics dump format) of a router, rendered by every router."""
         self.metric_dumps[source] = dump
@@ -102,6 +114,7 @@ class AdmissionActor:
         for row in snap["replicas"]:
             row.update(self.nodes.get(row["replica_id"], {}))
         snap["admission_node"] = self.node
+        snap["loras"] = dict(self.loras)
         return snap
 
     def configure(self, config: dict[str, Any]) -> None:

@@ -97,6 +97,8 @@ class Router:
         self._metrics_actor: Any = None
         self._info: dict[str, Any] | None = None
         self.block_size = args.block_size
+        self.static_loras = {m.name: m for m in args.lora_modules}
+        self._runtime_loras: dict[str, str] | None = None
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if args.admission else None
         if self.gate is not None:
             self.gate.start()
@@ -200,6 +202,7 @@ class Router:
             return error_response(self.drain.refusal())
         self.drain.enter()
         try:
+            self.adapters()
             lora = self.pre.check_model(req.model)
             structured, parser = req.structured(), None
             chat = isinstance(req, ChatCompletionRequest)
@@ -245,36 +248,78 @@ class Router:
         base = ModelCard(id=self.model_name, root=info["model"], max_model_len=limit)
         adapters = [
             ModelCard(id=m.name, root=m.path, parent=self.model_name, max_model_len=limit)
-            for m in self.pre.loras.values()
+            for m in self.adapters().values()
         ]
         return ModelList(data=[base, *adapters])
 
+    def adapters(self) -> dict[str, LoRAModule]:
+        """The adapters this app serves by name: the app's lora_modules, then those loaded at run time. With
+        admission, run-time loads are the admission actor's registry, as this router's last sync saw it, so a load
+        or unload through any router holds on every router within one sync; without, this router's own."""
+        runtime = self.gate.snapshot.get("loras") if self.gate is not None and self.gate.snapshot else None
+        if runtime is not None and runtime is not self._runtime_loras:
+            self._runtime_loras = runtime
+            loaded = {n: LoRAModule(name=n, path=p) for n, p in runtime.items() if n not in self.static_loras}
+            self.pre.loras = {**self.static_loras, **loaded}
+        return self.pre.loras
+
+    def _see_runtime_loras(self, runtime: dict[str, str]) -> None:
+        """This router's own load or unload, before its next sync brings the registry back."""
+        if self.gate is not None and self.gate.snapshot is not None:
+            self.gate.snapshot["loras"] = runtime
+        self.adapters()
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
-        """vLLM's endpoint: checks the adapter on a replica, then serves it under lora_name on this router;
-        replicas load it into a slot when a request first needs it."""
-        name = req.lora_name
-        if name == self.model_name or name in self.pre.loras:
-            what = "the base model" if name == self.model_name else f"a loaded adapter ({self.pre.loras[name].path})"
-            return error_response(
-                APIError(f"The lora adapter '{name}' has already been loaded: it names {what}.", param="lora_name")
-            )
+        """vLLM's endpoint: checks the adapter on a replica, then serves it under lora_name (on every router, with
+        admission: `adapters`); replicas load it into a slot when a request first needs it."""
+        name, adapters = req.lora_name, self.adapters()
+
+        def taken(what: str) -> Response:
+            message = f"The lora adapter '{name}' has already been loaded: it names {what}."
+            return error_response(APIError(message, param="lora_name"))
+
+        if name == self.model_name or name in adapters:
+            return taken("the base model" if name == self.model_name else f"a loaded adapter ({adapters[name].path})")
         try:
             await self.replica.check_lora.remote(name, req.lora_path)
+            if self.gate is not None:
+                actor = await self.metrics_actor()
+                if (path := await actor.register_lora.remote(name, req.lora_path)) is not None:
+                    return taken(f"a loaded adapter ({path})")
         except Exception as e:
             e = cause(e)
             if isinstance(e, ValueError):
                 return error_response(APIError(str(e), param="lora_path"))
             return error_response(APIError(f"loading the adapter failed: {e}", status=500, type="internal_error"))
-        self.pre.loras[name] = LoRAModule(name=name, path=req.lora_path)
+        if self.gate is not None and self.gate.snapshot is not None:
+            self._see_runtime_loras({**self.gate.snapshot.get("loras", {}), name: req.lora_path})
+        else:
+            self.pre.loras[name] = LoRAModule(name=name, path=req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> Response:
-        if self.pre.loras.pop(req.lora_name, None) is None:
-            message = f"The lora adapter '{req.lora_name}' cannot be found."
+        """Run-time loads only: an adapter the app's lora_modules name stays (its config serves it on every router)."""
+        name = req.lora_name
+        if name in self.static_loras:
+            message = f"The lora adapter '{name}' is one of the app's lora_modules; remove it from the app's config."
+            return error_response(APIError(message, param="lora_name"))
+        if self.gate is not None:
+            try:
+                actor = await self.metrics_actor()
+                removed = await actor.unregister_lora.remote(name)
+            except Exception as e:
+                message = f"unloading the adapter failed: {cause(e)}"
+                return error_response(APIError(message, status=503, type="service_unavailable"))
+            if self.gate.snapshot is not None:
+                self._see_runtime_loras({n: p for n, p in self.gate.snapshot.get("loras", {}).items() if n != name})
+        else:
+            removed = self.pre.loras.pop(name, None) is not None
+        if not removed:
+            message = f"The lora adapter '{name}' cannot be found."
             return error_response(APIError(message, status=404, param="lora_name", type="not_found_error"))
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/health")
     async def health(self) -> Response:

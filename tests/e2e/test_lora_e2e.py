@@ -2,6 +2,7 @@
 adapter; /v1/models lists the adapters with their parent; adapters load and unload at runtime behind the API key;
 lora_modules load at start; the replica's stats report the resident adapters."""
 
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -36,6 +37,7 @@ def server(adapters: dict[str, str]) -> Iterator[App]:
         "api_key": KEY,
         "lora_modules": [{"name": "x", "path": adapters["x"]}],
         "engine": {"max_loras": 2, "max_lora_rank": 8},
+        "router_replicas": 2,  # a load or unload through one router holds on both
     }
     with serve_app(args, headers={"Authorization": f"Bearer {KEY}"}) as app:
         yield app
@@ -75,7 +77,10 @@ def test_chat_with_adapters_load_and_unload(server: App, adapters: dict[str, str
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=load).status_code == 401
     http = server.http
     assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
-    assert {m.id for m in client.models.list().data} == {MODEL, "x", "y"}
+    time.sleep(1.0)  # the other router sees the admission actor's registry at its next sync
+    for _ in range(8):  # Serve's proxy spreads these over both routers
+        assert {m.id for m in client.models.list().data} == {MODEL, "x", "y"}
+        assert chat("y").choices[0].message.content == expected["y"]
     stream = client.chat.completions.create(
         model="y", messages=ASK, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
@@ -86,8 +91,12 @@ def test_chat_with_adapters_load_and_unload(server: App, adapters: dict[str, str
     bad = http.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": str(Path(adapters["y"]).parent)})
     assert bad.status_code == 400 and "not a PEFT adapter" in bad.json()["error"]["message"]
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
-    with pytest.raises(openai.NotFoundError):
-        chat("y")
+    time.sleep(1.0)
+    for _ in range(8):
+        with pytest.raises(openai.NotFoundError):
+            chat("y")
+    static = http.post("/v1/unload_lora_adapter", json={"lora_name": "x"})
+    assert static.status_code == 400 and "lora_modules" in static.json()["error"]["message"]
     missing = http.post("/v1/unload_lora_adapter", json={"lora_name": "y"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert chat("x").choices[0].message.content == expected["x"]
