@@ -59,13 +59,15 @@ COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 log = logging.getLogger("conveyor")
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags, read once: `load()` runs on every kernel call."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+    return frozenset(line.split(":", 1)[-1].split())
 
 
 def _is_x86() -> bool:
