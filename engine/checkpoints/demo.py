@@ -71,7 +71,7 @@ class DemoSpec:
             if value not in valid:
                 raise ValueError(f"unknown demo option {value!r}; valid: {sorted(valid)}")
         if not 0 <= self.layers < SIZES[self.size].layers:
-            raise ValueError(f"demo layers must be in [1, {SIZES[self.size].layers}), got {self.layers}")
+            raise ValueError(f"demo layers must be 0 (all) or in [1, {SIZES[self.size].layers}), got {self.layers}")
 
     @property
     def num_layers(self) -> int:
