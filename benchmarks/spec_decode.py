@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
     ap.add_argument("--draft-model", help="method draft: the draft checkpoint (benchmarks/cut_model.py cuts one)")
+    ap.add_argument("--cases", default="rep1,rep8,seed", help="which of rep1, rep8, seed to run")
     ap.add_argument("--min-acceptance-rate", type=float, default=0.3, help="the back-off bar (0: never back off)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--seed-max-tokens", type=int, default=64)
@@ -72,11 +73,12 @@ def main() -> None:
     }
     spec = LLM(args.model, speculative=speculative, **opts)
     rep = repetition_prompts(args.model, 8)
-    cases = [
-        ("repetition, concurrency 1", rep[:2], args.max_tokens, 1),
-        ("repetition, concurrency 8", rep, args.max_tokens, 8),
-        ("seed workload, 32 sequences", workload(32, 32, 256, seed=0), args.seed_max_tokens, 32),
-    ]
+    cases = {
+        "rep1": ("repetition, concurrency 1", rep[:2], args.max_tokens, 1),
+        "rep8": ("repetition, concurrency 8", rep, args.max_tokens, 8),
+        "seed": ("seed workload, 32 sequences", workload(32, 32, 256, seed=0), args.seed_max_tokens, 32),
+    }
+    cases = [cases[c] for c in args.cases.split(",")]
     run(plain, rep[:1], 8, 1), run(spec, rep[:1], 8, 1)  # warm-up
     how = f"draft {args.draft_model}" if args.method == "draft" else "n-gram"
     print(f"{args.model} float32, {how} k={args.k}, min_acceptance_rate {args.min_acceptance_rate}, greedy")

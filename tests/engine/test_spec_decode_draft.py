@@ -10,7 +10,9 @@ import pytest
 
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.checkpoints.demo import make_model
+from conveyor.engine.config import SpeculativeConfig
 from conveyor.engine.core.sequence import Sequence
+from conveyor.engine.core.spec_decode import SpecController
 from conveyor.engine.core.spec_decode.draft_model import DraftModelProposer
 from tests.engine.test_spec_decode import exact_distribution
 from tests.helpers import assert_no_leak, hf_greedy, prompt_ids
@@ -131,3 +133,23 @@ def test_config_errors_name_the_field(tmp_path) -> None:
         LLM(MODEL, speculative=draft(), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="speculative.method 'draft' needs preemption_mode 'recompute'"):
         LLM(MODEL, speculative=draft(), preemption_mode="swap", swap_space=2**20)
+
+
+def test_a_draft_model_backs_off_alone_too() -> None:
+    """Proposals cost k draft forwards even alone in a step: the full bar applies, and a paused request is not
+    named for proposals (no lookahead slots, no draft forwards for it)."""
+    c = SpecController(
+        SpeculativeConfig(method="draft", model=MODEL, num_speculative_tokens=2, min_acceptance_rate=0.5)
+    )
+    seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=0))
+    drafting, named = [], 0
+    for step in range(300):
+        named += c.lookahead(seq, step)
+        c.proposer.store({"a": (seq.num_tokens, [5, 6])})
+        if c.propose(seq, step, 8, 1):
+            drafting.append(step)
+            c.observe("a", 2, 0)
+    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
+    assert len(drafting) < 15 and gaps == sorted(gaps) and gaps[-1] > 32
+    assert named < 40  # of 300 steps
+    assert not c.lookahead(Sequence("b", [1, 2], SamplingParams(logprobs=1)), 0)  # never speculates

@@ -69,7 +69,10 @@ class SpecController:
         )
 
     def bar(self, num_decodes: int) -> float:
-        """Acceptance a request needs to speculate in a step with `num_decodes` decoding requests."""
+        """Acceptance a request needs to speculate in a step with `num_decodes` decoding requests. A draft model's
+        proposals cost k draft forwards in any batch: its bar is min_acceptance_rate throughout."""
+        if self.config.method == "draft":
+            return self.config.min_acceptance_rate
         return self.config.min_acceptance_rate * min(1.0, (num_decodes - 1) / 7)
 
     def propose(self, seq: Sequence, step: int, max_tokens: int, num_decodes: int) -> list[int]:
