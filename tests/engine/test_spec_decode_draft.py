@@ -153,3 +153,18 @@ def test_a_draft_model_backs_off_alone_too() -> None:
     assert len(drafting) < 15 and gaps == sorted(gaps) and gaps[-1] > 32
     assert named < 40  # of 300 steps
     assert not c.lookahead(Sequence("b", [1, 2], SamplingParams(logprobs=1)), 0)  # never speculates
+
+
+def test_a_draft_of_another_shape_up_to_max_model_len() -> None:
+    """demo:small-l2 (hidden 768, 4 KV heads) drafting for demo:tiny (hidden 256, 2 KV heads): the draft's KV
+    cache takes its own shape on the same block ids. Outputs run into max_model_len, where the lookahead slots
+    stop fitting; the outputs still equal plain decoding's."""
+    prompts = [p[:40] for p in prompt_ids(MODEL)]
+    params = mixed_params(len(prompts), 64)
+    opts = {"max_model_len": 72, "max_num_batched_tokens": 48}
+    plain, _ = run(prompts, params, **opts)
+    assert all(len(p) + len(o) == 72 or len(o) == 64 for p, o in zip(prompts, plain))
+    got, llm = run(prompts, params, speculative=draft("demo:small-l2", k=4), check_invariants=True, **opts)
+    assert got == plain
+    assert counters(llm)[1] > 0
+    assert_no_leak(llm)
