@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, measured in the same run on the same
-prompts: output tok/s on a repetition-heavy workload (rewrite a passage / edit code with one change) at
-concurrency 1 and 8, and on the seed workload (random-token prompts, 32 at once); acceptance length.
-`python -m benchmarks.spec_decode` (SmolLM2, float32, greedy)."""
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, measured in the same run
+on the same prompts: output tok/s on a repetition-heavy workload (rewrite a passage / edit code with one change)
+at concurrency 1 and 8, and on the seed workload (random-token prompts, 32 at once); acceptance length.
+`python -m benchmarks.spec_decode` (SmolLM2, float32, greedy);
+`python -m benchmarks.spec_decode --model demo:small --method draft --draft-model demo:small-l2`."""
 
 import argparse
 import time
@@ -55,20 +56,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="demo:smollm2")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-model", help="method draft: the draft checkpoint (benchmarks/cut_model.py cuts one)")
+    ap.add_argument("--cases", default="rep1,rep8,seed", help="which of rep1, rep8, seed to run")
+    ap.add_argument("--min-acceptance-rate", type=float, default=0.3, help="the back-off bar (0: never back off)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--seed-max-tokens", type=int, default=64)
     args = ap.parse_args()
     opts = dict(dtype="float32", max_num_seqs=32, enable_prefix_caching=False)
     plain = LLM(args.model, **opts)
-    spec = LLM(args.model, speculative={"method": "ngram", "num_speculative_tokens": args.k}, **opts)
+    speculative = {
+        "method": args.method,
+        "num_speculative_tokens": args.k,
+        "min_acceptance_rate": args.min_acceptance_rate,
+        **({"model": args.draft_model} if args.method == "draft" else {}),
+    }
+    spec = LLM(args.model, speculative=speculative, **opts)
     rep = repetition_prompts(args.model, 8)
-    cases = [
-        ("repetition, concurrency 1", rep[:2], args.max_tokens, 1),
-        ("repetition, concurrency 8", rep, args.max_tokens, 8),
-        ("seed workload, 32 sequences", workload(32, 32, 256, seed=0), args.seed_max_tokens, 32),
-    ]
-    run(plain, rep[:1], 8, 1), run(spec, rep[:1], 8, 1)  # warm-up
-    print(f"{args.model} float32, n-gram k={args.k}, greedy")
+    cases = {
+        "rep1": ("repetition, concurrency 1", rep[:2], args.max_tokens, 1),
+        "rep8": ("repetition, concurrency 8", rep, args.max_tokens, 8),
+        "seed": ("seed workload, 32 sequences", workload(32, 32, 256, seed=0), args.seed_max_tokens, 32),
+    }
+    cases = [cases[c] for c in args.cases.split(",")]
+    for _, prompts, _, conc in cases:  # warm-up: oneDNN primitives of each case's shapes, made once per process
+        run(plain, prompts, 8, conc), run(spec, prompts, 8, conc)
+    how = f"draft {args.draft_model}" if args.method == "draft" else "n-gram"
+    print(f"{args.model} float32, {how} k={args.k}, min_acceptance_rate {args.min_acceptance_rate}, greedy")
     print(f"{'workload':30} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accept len':>10} {'same':>5}")
     for name, prompts, max_tokens, conc in cases:
         s0 = spec.engine.stats()

@@ -28,7 +28,10 @@ class SpeculativeConfig:
     """Speculative decoding (engine/core/spec_decode): a proposer guesses up to num_speculative_tokens next tokens
     of a decoding request, the target model checks them all in one step."""
 
-    method: str = "ngram"  # "ngram": prompt lookup (the request's own tokens); "draft": not implemented
+    # "ngram": prompt lookup (the request's own tokens); "draft": a smaller model with the target's vocabulary
+    method: str = "ngram"
+    # method "draft": the draft checkpoint (a name as EngineConfig.model takes; the target's own name works too)
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2  # shortest suffix n-gram matched against the request's earlier tokens
     prompt_lookup_max: int = 4  # longest suffix n-gram tried first
@@ -40,10 +43,14 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             _fail("speculative.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
         if self.method == "draft":
-            _fail(
-                "speculative.method",
-                "'draft' (a draft model) is not implemented; use 'ngram' (prompt lookup, no extra model)",
-            )
+            if not isinstance(self.model, str) or not self.model:
+                _fail("speculative.model", f"must name the draft checkpoint for method 'draft', got {self.model!r}")
+            try:
+                check_model_name(self.model)
+            except ValueError as e:
+                _fail("speculative.model", str(e))
+        elif self.model is not None:
+            _fail("speculative.model", f"is only for method 'draft', got method {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -154,8 +161,8 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _fail(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
-        self._check_speculative()
         self.kv_offload = KVOffloadConfig.of(self.kv_offload)
+        self._check_speculative()
         if self.kv_offload is not None and not self.enable_prefix_caching:
             _fail("kv_offload", "needs enable_prefix_caching (its tiers hold prefix-cached blocks)")
         if not isinstance(self.model_runner_cls, str) or self.model_runner_cls.count(":") != 1:
@@ -178,6 +185,12 @@ class EngineConfig:
             _fail("speculative", "needs scheduling_policy 'continuous'")
         if self.tensor_parallel_size != 1:
             _fail("speculative", "is not implemented with tensor_parallel_size > 1")
+        if self.speculative.method == "draft":
+            # the draft's KV cache lives beside the target's in the pool only: swap and the lower tiers copy the target's
+            if self.preemption_mode != "recompute":
+                _fail("speculative.method", "'draft' needs preemption_mode 'recompute'")
+            if self.kv_offload is not None:
+                _fail("speculative.method", "'draft' does not work with kv_offload")
 
     def engine_options(self) -> dict:
         """The fields as plain values (JSON): what rebuilds this config in another process."""

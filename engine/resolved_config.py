@@ -39,6 +39,8 @@ class ResolvedConfig(EngineConfig):
     hf_config: PretrainedConfig = field(repr=False)
     model_path: str = field(repr=False)  # the checkpoint directory (config.json, weights, tokenizer)
     max_model_len_from_model: bool = False  # max_model_len was unset: the engine may fit it to the KV cache
+    draft_hf_config: PretrainedConfig | None = field(default=None, repr=False)  # speculative method "draft"
+    draft_model_path: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,12 +98,47 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
         "attention_backend": backend,
         "max_model_len": max_model_len(config, hf),
     }
+    draft_path, draft_hf = resolve_draft(config, hf, path, decided["max_model_len"])
     return ResolvedConfig(
         **{**options, **decided},
         max_model_len_from_model=config.max_model_len is None,
         hf_config=hf,
         model_path=path,
+        draft_hf_config=draft_hf,
+        draft_model_path=draft_path,
     )
+
+
+def resolve_draft(
+    config: EngineConfig, hf: PretrainedConfig, path: str, max_len: int
+) -> tuple[str | None, PretrainedConfig | None]:
+    """The draft checkpoint of speculative method "draft", checked against the target: a supported architecture
+    and the same vocabulary (the draft's token ids are the target's)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft":
+        return None, None
+    draft_path = path if spec.model == config.model else resolve_model(spec.model)
+    draft = AutoConfig.from_pretrained(draft_path)
+    arch = (getattr(draft, "architectures", None) or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        _fail("speculative.model", f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if draft.vocab_size != hf.vocab_size:
+        _fail(
+            "speculative.model",
+            f"{spec.model} has vocab_size {draft.vocab_size}, the target {config.model} {hf.vocab_size}: "
+            "a draft model needs the target's vocabulary",
+        )
+    try:
+        check_rope(draft)
+    except ValueError as e:
+        _fail("speculative.model", f"{spec.model}: {e}")
+    if max_len > draft.max_position_embeddings:
+        _fail(
+            "speculative.model",
+            f"{spec.model} has max_position_embeddings {draft.max_position_embeddings}, below the target's "
+            f"max_model_len {max_len}; set max_model_len",
+        )
+    return draft_path, draft
 
 
 def model_dtype(hf: PretrainedConfig) -> str:

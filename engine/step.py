@@ -54,6 +54,9 @@ class SchedulerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # adapters to load into slots first
     kv_transfer: KVTransfer | None = None
+    # speculative method "draft": the requests the draft model proposes for after this step (their sampled token
+    # goes in next); each one's blocks hold num_speculative_tokens slots past its chunk for the draft's K/V
+    lookahead_req_ids: list[str] = field(default_factory=list)
 
     @cached_property
     def num_tokens(self) -> int:
@@ -69,3 +72,5 @@ class ModelRunnerOutput:
     # speculative decoding: a drafting request's accepted draft tokens, which come before its entry in token_ids
     accepted: dict[str, list[int]] = field(default_factory=dict)
     kv_load_s: float = 0.0  # time the step's copies before its forward took (rank 0)
+    # speculative method "draft": request -> (its number of tokens the proposals follow, the draft's next tokens)
+    proposals: dict[str, tuple[int, list[int]]] = field(default_factory=dict)

@@ -64,16 +64,28 @@ class DemoSpec:
     dtype: str = "float32"
     tied: bool = False
     seed: int = 0
+    layers: int = 0  # > 0: the model of the other fields cut to its first `layers` layers (a draft model for it)
 
     def __post_init__(self) -> None:
         for value, valid in ((self.arch, ARCHS), (self.size, SIZES), (self.dtype, DTYPES)):
             if value not in valid:
                 raise ValueError(f"unknown demo option {value!r}; valid: {sorted(valid)}")
+        if not 0 <= self.layers < SIZES[self.size].layers:
+            raise ValueError(f"demo layers must be 0 (all) or in [1, {SIZES[self.size].layers}), got {self.layers}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers or SIZES[self.size].layers
 
     @property
     def name(self) -> str:
         suffix = {v: k for k, v in DTYPE_SUFFIXES.items()}[self.dtype]
-        return f"{self.arch}-{self.size}" + ("-tied" if self.tied else "") + ("" if suffix == "fp32" else f"-{suffix}")
+        return (
+            f"{self.arch}-{self.size}"
+            + ("-tied" if self.tied else "")
+            + ("" if suffix == "fp32" else f"-{suffix}")
+            + (f"-l{self.layers}" if self.layers else "")
+        )
 
 
 def valid_demo_names() -> str:
@@ -84,7 +96,7 @@ def valid_demo_names() -> str:
         + ",".join(SIZES)
         + "}[-tied][-"
         + "|-".join(DTYPE_SUFFIXES)
-        + "]"
+        + "][-l<N>: the first N layers, a draft model]"
     )
 
 
@@ -94,17 +106,20 @@ def parse_demo_name(name: str) -> DemoSpec:
     size = parts.pop(0) if parts else ""
     tied = "tied" in parts
     dtypes = [DTYPE_SUFFIXES[p] for p in parts if p in DTYPE_SUFFIXES]
-    rest = [p for p in parts if p != "tied" and p not in DTYPE_SUFFIXES]
+    layers = [int(p[1:]) for p in parts if p[:1] == "l" and p[1:].isdigit()]
+    rest = [p for p in parts if p != "tied" and p not in DTYPE_SUFFIXES and not (p[:1] == "l" and p[1:].isdigit())]
     if (
         not name.startswith("demo:")
         or arch not in ARCHS
         or size not in SIZES
         or rest
         or len(dtypes) > 1
+        or len(layers) > 1
         or parts.count("tied") > 1
+        or (layers and not 0 < layers[0] < SIZES[size].layers)
     ):
         raise ValueError(f"unknown demo model {name!r}; valid: {valid_demo_names()}")
-    return DemoSpec(arch, size, dtypes[0] if dtypes else "float32", tied)
+    return DemoSpec(arch, size, dtypes[0] if dtypes else "float32", tied, layers=layers[0] if layers else 0)
 
 
 def corpus_files() -> list[Path]:
@@ -181,14 +196,14 @@ def model_config(spec: DemoSpec) -> dict:
     from transformers import AutoConfig
 
     s = SIZES[spec.size]
-    qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": s.layers}
+    qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": spec.num_layers}
     extra = {"mistral": {"sliding_window": None}, "qwen2": qwen, "qwen3": qwen}.get(spec.arch, {})
     cfg = AutoConfig.for_model(
         spec.arch,
         architectures=[ARCHS[spec.arch]],
         vocab_size=VOCAB_SIZE,
         hidden_size=s.hidden,
-        num_hidden_layers=s.layers,
+        num_hidden_layers=spec.num_layers,
         num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads,
         head_dim=s.head_dim,
@@ -259,10 +274,11 @@ def make_weights(spec: DemoSpec) -> dict[str, torch.Tensor]:
     )
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in weight_shapes(spec):
+    for name, shape in weight_shapes(spec):  # every layer drawn, so a cut model keeps the full one's weights
         w = torch.randn(shape, generator=g, dtype=torch.float32)
         w = 1 + NORM_STD * w if len(shape) == 1 and not name.endswith("bias") else w * init_std(name, shape)
-        out[name] = w.to(getattr(torch, spec.dtype)).contiguous()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < spec.num_layers:
+            out[name] = w.to(getattr(torch, spec.dtype)).contiguous()
     return out
 
 
@@ -275,9 +291,10 @@ def make_model(
     seed: int = 0,
     config: dict | None = None,
     generation_config: dict | None = None,
+    layers: int = 0,
 ) -> Path:
     """`config` / `generation_config` entries override the generated ones (rope_scaling, sliding_window, ...)."""
-    spec = DemoSpec(arch, size, dtype, tied, seed)
+    spec = DemoSpec(arch, size, dtype, tied, seed, layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, **(generation_config or {})}
@@ -297,7 +314,9 @@ def make_model(
 def demo_checkpoint(name: str) -> str:
     """The demo checkpoint `name` (demo:...), generated once into the model cache."""
     spec = parse_demo_name(name)
-    build = lambda tmp: make_model(tmp, spec.arch, spec.size, spec.dtype, spec.tied, spec.seed)  # noqa: E731
+    build = lambda tmp: make_model(  # noqa: E731
+        tmp, spec.arch, spec.size, spec.dtype, spec.tied, spec.seed, layers=spec.layers
+    )
     return str(build_once(models_dir() / spec.name, build))
 
 

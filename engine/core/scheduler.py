@@ -121,7 +121,7 @@ class Scheduler:
     ) -> tuple[int, int, bool]:
         """Each request's next chunk; a chunk that does not fit preempts the worst running request (with
         `may_preempt`, else it is skipped)."""
-        preempted, kv, running = False, self.kv, SequenceStatus.RUNNING
+        preempted, running = False, SequenceStatus.RUNNING
         for seq in seqs:
             if seq.status is not running:
                 continue
@@ -130,7 +130,7 @@ class Scheduler:
             if left == 1 and budget > 1 and self.spec is not None and self._speculate(seq, out, chunks, budget):
                 budget -= len(chunks[seq.request_id].token_ids)
                 continue
-            if left == 1 and budget > 0 and (ids := kv.allocate_decode(seq)) is not None:
+            if left == 1 and budget > 0 and (ids := self._allocate_decode(seq, out)) is not None:
                 chunks[seq.request_id] = ScheduledChunk(seq.request_id, seq.token_ids[-1:], computed, ids, False, True)
                 seq.num_computed_tokens = computed + 1
                 budget -= 1
@@ -144,6 +144,8 @@ class Scheduler:
                     victim.num_computed_tokens -= len(dropped.token_ids)
                     budget += len(dropped.token_ids)
                     drafted = out.draft_token_ids.pop(victim.request_id, None) is not None
+                    if victim.request_id in out.lookahead_req_ids:
+                        out.lookahead_req_ids.remove(victim.request_id)
                     self.prefill_left += len(dropped.token_ids) if len(dropped.token_ids) > 1 and not drafted else 0
                     partials -= len(dropped.token_ids) < victim.num_tokens - dropped.start
                 self._preempt(victim, out)
@@ -171,13 +173,35 @@ class Scheduler:
         if not drafts:
             return False
         start = seq.num_computed_tokens
-        ids = self.kv.allocate(seq, 1 + len(drafts))
+        look = self._lookahead(seq, 1 + len(drafts))
+        ids = self.kv.allocate(seq, 1 + len(drafts) + look) if look else None
+        if ids is None:
+            look, ids = 0, self.kv.allocate(seq, 1 + len(drafts))
         if ids is None:
             return False
         chunks[seq.request_id] = ScheduledChunk(seq.request_id, [seq.token_ids[-1], *drafts], start, ids, False, True)
         seq.num_computed_tokens = start + 1 + len(drafts)
         out.draft_token_ids[seq.request_id] = drafts
+        if look:
+            out.lookahead_req_ids.append(seq.request_id)
         return True
+
+    def _lookahead(self, seq: Sequence, n: int) -> int:
+        """Slots past a decoding request's n-token chunk for the draft model's proposals after the step (speculative
+        method "draft", the request speculating next step): num_speculative_tokens, or 0."""
+        spec = self.spec
+        if spec is None or not spec.lookahead(seq, self.num_steps):
+            return 0
+        return spec.k if seq.num_computed_tokens + n + spec.k <= self.config.max_model_len else 0
+
+    def _allocate_decode(self, seq: Sequence, out: SchedulerOutput) -> list[int] | None:
+        """A plain decode's blocks, with the draft model's lookahead slots where they fit (else without)."""
+        if look := self._lookahead(seq, 1):
+            ids = self.kv.allocate(seq, 1 + look)
+            if ids is not None:
+                out.lookahead_req_ids.append(seq.request_id)
+                return ids
+        return self.kv.allocate_decode(seq)
 
     def _admit(
         self, out: SchedulerOutput, chunks: dict[str, ScheduledChunk], budget: int, partials: int
@@ -285,8 +309,10 @@ class Scheduler:
         """Append sampled tokens, finish sequences that stop; returns the sequences that changed."""
         if so.draft_token_ids:
             self._verified(so, ro)
+        if ro.proposals:
+            self.spec.proposer.store(ro.proposals)
         changed = self._accept(ro, now)
-        for rid in so.draft_token_ids:
+        for rid in [*so.draft_token_ids, *(r for r in so.lookahead_req_ids if r not in so.draft_token_ids)]:
             seq = self.requests.get(rid)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 self.kv.roll_back(seq)

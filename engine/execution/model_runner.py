@@ -5,10 +5,12 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 
 from conveyor.engine.checkpoints.loader import load_weights
 from conveyor.engine.checkpoints.lora import read_adapter
+from conveyor.engine.execution.draft_runner import DraftRunner
 from conveyor.engine.execution.host_memory import keep_freed_memory
 from conveyor.engine.execution.kv_tier_store import KVTierStore
 from conveyor.engine.execution.model_inputs import ModelInputs, prepare_inputs
@@ -68,10 +70,13 @@ class ModelRunner:
             allowed, n = _process_cpus(), torch.get_num_threads()
             cpus = [allowed[(self.rank * n + i) % len(allowed)] for i in range(n)]  # TP ranks on disjoint cores
             log.info("torch threads bound to cpus %s", ops.fused.bind_threads(cpus))
+        self.draft = DraftRunner(config, ops, self.device) if config.draft_hf_config is not None else None
         self.pad_steps = False  # steps with a prefill run at padded_rows(tokens): bounded oneDNN primitive shapes
         if config.prepack_weights and self.device.type == "cpu":
             with torch.inference_mode():
                 packed = pack_weights(self.model, ops.fused)  # timed per shape: after binding
+                if self.draft is not None:
+                    pack_weights(self.draft.model, ops.fused)
             self.pad_steps = packed > 0 and ops.fused is not None  # the C++ attention zeroes padding rows
         self.attn_layers = self.model.attention_layers()
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
@@ -88,7 +93,8 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+        draft = self.draft.block_bytes(self.block_size) if self.draft is not None else 0
+        return 2 * len(self.attn_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem + draft
 
     def available_blocks(self) -> int:
         cfg = self.config
@@ -121,6 +127,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks, self.block_size)
         swap_blocks = self.config.swap_space // self.block_bytes if self.config.preemption_mode == "swap" else 0
         if swap_blocks:
             pin = self.device.type == "cuda"
@@ -202,6 +210,8 @@ class ModelRunner:
                     batch, [self.requests[r].params for r in sampled], sampled, so.grammar, self.device
                 )
         tokens, logprobs = self._run(input_ids, positions, meta, sample_idx, batch)
+        if self.draft is not None:
+            self.draft.forward(input_ids, positions, meta)
         if self.rank != 0:
             return None
         tokens = tokens.tolist()
@@ -210,11 +220,29 @@ class ModelRunner:
             sampled, tokens, logprobs, accepted = fold_drafts(
                 chunks, so.draft_token_ids, sampled, tokens, logprobs, self.batch, self.block_size
             )
+        proposals = self._propose(so, sampled, tokens, accepted) if so.lookahead_req_ids else {}
         if self.special:
             for rid, tok in zip(sampled, tokens):
                 if rid in self.special:
                     self.requests[rid].output_token_ids.append(tok)
-        return ModelRunnerOutput(sampled, tokens, logprobs or [None] * len(tokens), accepted, kv_load_s=load_s)
+        return ModelRunnerOutput(
+            sampled, tokens, logprobs or [None] * len(tokens), accepted, kv_load_s=load_s, proposals=proposals
+        )
+
+    def _propose(
+        self, so: SchedulerOutput, sampled: list[str], tokens: list[int], accepted: dict[str, list[int]]
+    ) -> dict[str, tuple[int, list[int]]]:
+        """The draft model's proposals for the requests of so.lookahead_req_ids, each after the token this step
+        gave it, tagged with the request's length then; their block table rows shrink back to the blocks of
+        their computed tokens afterwards (the scheduler's roll_back)."""
+        starts = {c.req_id: c.start + len(c.token_ids) for c in so.chunks}
+        token_of = dict(zip(sampled, tokens))
+        rids = so.lookahead_req_ids
+        pos = np.array([starts[r] - len(so.draft_token_ids.get(r, ())) + len(accepted.get(r, ())) for r in rids])
+        rows = self.batch.index(rids)
+        drafts = self.draft.propose([token_of[r] for r in rids], pos, self.batch.block_table[rows], self.block_size)
+        self.batch.num_blocks[rows] = -(-pos // self.block_size)
+        return {r: (int(p) + 1, d) for r, p, d in zip(rids, pos, drafts)}
 
     def _transfer(self, so: SchedulerOutput) -> float:
         """The step's tier copies: the last step's background ones finish, this step's `before` ones run here

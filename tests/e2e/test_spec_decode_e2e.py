@@ -1,6 +1,7 @@
 """A speculative-decoding deployment end to end: real Ray Serve, loopback HTTP, the real openai client,
-demo:smollm2 with n-gram drafts. A request asking for logprobs decodes without drafts (engine/core/spec_decode),
-so the same server gives the non-speculative output to compare with."""
+demo:smollm2 with n-gram drafts, then with a draft model (SmolLM2 itself: every greedy draft accepted). A request
+asking for logprobs decodes without drafts (engine/core/spec_decode), so the same server gives the
+non-speculative output to compare with."""
 
 from typing import Iterator
 
@@ -20,8 +21,11 @@ ENGINE = dict(
     block_size=16,
     num_blocks=96,
     max_model_len=1024,
-    speculative={"method": "ngram", "num_speculative_tokens": 4},
 )
+SPECULATIVE = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "draft": {"method": "draft", "model": MODEL, "num_speculative_tokens": 4},
+}
 PASSAGE = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
     "members agreed to increase funding for the library and to reduce spending on travel."
@@ -29,8 +33,8 @@ PASSAGE = (
 ASK = [{"role": "user", "content": f"Rewrite this passage, replacing 'Tuesday' with 'Friday':\n\n{PASSAGE}"}]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[App]:
+@pytest.fixture(scope="module", params=list(SPECULATIVE))
+def server(request: pytest.FixtureRequest) -> Iterator[App]:
     from conveyor.deployments.app import deploy
 
     start_ray()
@@ -39,7 +43,7 @@ def server() -> Iterator[App]:
         deploy(
             {
                 "model": MODEL,
-                "engine": ENGINE,
+                "engine": {**ENGINE, "speculative": SPECULATIVE[request.param]},
                 "num_replicas": 1,
                 "replica_num_cpus": 0.5,
                 "router_num_cpus": 0.5,

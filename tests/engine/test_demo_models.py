@@ -224,3 +224,16 @@ def test_cli(cache: Path, tmp_path: Path) -> None:
     args = parser.parse_args(["--arch", "qwen3", "--size", "tiny", "--tied", "--out", str(tmp_path / "cli")])
     assert demo.run_make_model(args) == 0
     assert read_all(tmp_path / "cli") == read_all(make_model(tmp_path / "api", arch="qwen3", tied=True))
+
+
+def test_a_cut_demo_model_is_the_full_ones_first_layers() -> None:
+    """demo:<size>-l<N> (a draft model for demo:<size>): the same weights, layers N and above left out."""
+    spec = demo.parse_demo_name("demo:tiny-l1")
+    assert spec == demo.DemoSpec("llama", "tiny", layers=1) and spec.name == "llama-tiny-l1"
+    full, cut = demo.make_weights(demo.DemoSpec()), demo.make_weights(spec)
+    assert set(cut) == {n for n in full if not n.startswith("model.layers.") or n.startswith("model.layers.0.")}
+    assert all(torch.equal(cut[n], full[n]) for n in cut)
+    assert demo.model_config(spec)["num_hidden_layers"] == 1
+    for bad in ("demo:tiny-l4", "demo:tiny-l0", "demo:tiny-l1-l2"):
+        with pytest.raises(ValueError, match="unknown demo model"):
+            demo.parse_demo_name(bad)

@@ -78,8 +78,6 @@ def test_controller_backs_off_and_probes_again() -> None:
 
 
 def test_config_refuses_what_is_not_implemented() -> None:
-    with pytest.raises(ValueError, match="speculative.method.*'draft'.*not implemented"):
-        LLM("demo:tiny", speculative={"method": "draft", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
         LLM("demo:tiny", speculative={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="speculative.k.*not a speculative option"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.config import SpeculativeConfig
 from conveyor.engine.core.sequence import Sequence
+from conveyor.engine.core.spec_decode.draft_model import DraftModelProposer
 from conveyor.engine.core.spec_decode.ngram import NgramProposer
 from conveyor.engine.core.spec_decode.proposer import Proposer
 
@@ -44,7 +45,11 @@ class SpecController:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer: Proposer = (
+            DraftModelProposer()
+            if config.method == "draft"
+            else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        )
         self.tracks: dict[str, _Track] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
 
@@ -64,7 +69,10 @@ class SpecController:
         )
 
     def bar(self, num_decodes: int) -> float:
-        """Acceptance a request needs to speculate in a step with `num_decodes` decoding requests."""
+        """Acceptance a request needs to speculate in a step with `num_decodes` decoding requests. A draft model's
+        proposals cost k draft forwards in any batch: its bar is min_acceptance_rate throughout."""
+        if self.config.method == "draft":
+            return self.config.min_acceptance_rate
         return self.config.min_acceptance_rate * min(1.0, (num_decodes - 1) / 7)
 
     def propose(self, seq: Sequence, step: int, max_tokens: int, num_decodes: int) -> list[int]:
@@ -79,6 +87,14 @@ class SpecController:
             track.rate = self.bar(num_decodes)  # the probe after the pause starts at the bar
             return []
         return self.proposer.propose(seq, min(self.k, max_tokens))
+
+    def lookahead(self, seq: Sequence, step: int) -> bool:
+        """Method "draft": whether the draft model should propose for seq after this step (it is eligible and
+        not paused next step)."""
+        if self.config.method != "draft":
+            return False
+        track = self.tracks.get(seq.request_id)
+        return self.eligible(seq) if track is None else step + 1 >= track.paused_until
 
     def observe(self, req_id: str, num_draft: int, num_accepted: int) -> None:
         c, track = self.counters, self.tracks.get(req_id)
