@@ -70,6 +70,7 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[-1].split())
 
 
+@functools.cache
 def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
@@ -86,6 +87,11 @@ def missing_cpu_flags(isa: str) -> list[str]:
 def supported_isas() -> list[str]:
     """The ISAs this CPU can run, best first (generic always)."""
     return [isa for isa in ISAS if not missing_cpu_flags(isa)]
+
+
+@functools.cache
+def _best_isa() -> str:
+    return supported_isas()[0]
 
 
 def cflags(isa: str) -> list[str]:
@@ -107,7 +113,7 @@ def load(isa: str | None = None) -> ModuleType | None:
     None (the reason logged) where that ISA cannot run or build here, or with CONVEYOR_CPU_KERNELS=0."""
     if os.environ.get("CONVEYOR_CPU_KERNELS", "1") == "0":
         return None
-    return _load(isa or os.environ.get("CONVEYOR_CPU_ISA") or supported_isas()[0])
+    return _load(isa or os.environ.get("CONVEYOR_CPU_ISA") or _best_isa())
 
 
 def isa() -> str | None:
