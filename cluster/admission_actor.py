@@ -225,10 +225,11 @@ class AdmissionClient:
         num_seqs: int = 1,
         output_tokens: int = 0,
         lora: str | None = None,
+        hold: bool = True,
     ) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
         refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens; `lora`: its
-        LoRA adapter."""
+        LoRA adapter; `hold=False`: the verdict only, nothing reserved (`decide_now` reserves later)."""
         self.decisions += 1
         if self.quiet:
             self.quiet = False
@@ -274,10 +275,38 @@ class AdmissionClient:
                     )
             finally:
                 self.queued -= 1
-        if d.admit:
-            self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
-            self.demand += 0 if short else d.new_blocks
+        if d.admit and hold:
+            d = self._hold(d, now, num_seqs, keys, count_demand=not short)
         return replace(d, reason="no_room") if d.reason == "lease" else d
+
+    def decide_now(
+        self,
+        num_prompt_blocks: int,
+        largest_blocks: int | None = None,
+        keys: Sequence[bytes] = (),
+        num_seqs: int = 1,
+        output_tokens: int = 0,
+        lora: str | None = None,
+    ) -> Decision:
+        """`decide` on the current view without waiting (no sync, lease claim or queue): reserves when admitted."""
+        self.decisions += 1
+        now = self.clock()
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
+        if d.admit:
+            d = self._hold(d, now, num_seqs, keys)
+        return replace(d, reason="no_room") if d.reason == "lease" else d
+
+    def _hold(
+        self, d: Decision, now: float, num_seqs: int, keys: Sequence[bytes], count_demand: bool = True
+    ) -> Decision:
+        r = self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
+        self.demand += d.new_blocks if count_demand else 0
+        return replace(d, reservation=r)
+
+    def release(self, d: Decision) -> None:
+        """Withdraw what admitting `d` reserved, while it is still this router's alone (not yet synced)."""
+        if d.reservation is not None and self.controller.book.release(d.reservation):
+            self.demand = max(0, self.demand - d.reservation.blocks)
 
     async def _await_lease(self, d: Decision, *args: Any) -> Decision:
         """A replica has room but this router's lease of it is spent: claim what the request needs at once (the

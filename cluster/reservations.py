@@ -93,6 +93,18 @@ class ReservationBook:
         else:
             self.held.pop(replica_id, None)
 
+    def release(self, r: Reservation) -> bool:
+        """Withdraw a reservation this process holds and has not sent yet (its request will not go there)."""
+        held = self.held.get(r.replica_id, [])
+        kept = [x for x in held if x is not r]
+        if len(kept) == len(held):
+            return False
+        if kept:
+            self.held[r.replica_id] = kept
+        else:
+            self.held.pop(r.replica_id, None)
+        return True
+
     def forget(self, replica_id: str) -> None:
         self.held.pop(replica_id, None)
         self.arrived.pop(replica_id, None)
