@@ -8,8 +8,8 @@ queue-time bound. Decode is decided first (waiting for room as any admission doe
 (which reserves), then decode again on the same view without waiting, which reserves on the decode replica the
 request will be routed to; should that refuse (the room went while prefill was decided), the prefill reservation is
 withdrawn before anything else runs. Either refusal leaves nothing held on the other role. A decode reservation goes
-as a colocated one does: when the decode replica's stats count the request, or after settle_max_s (a request that
-finished or failed on its prefill replica never arrives there); `release` withdraws it at once while not yet synced.
+as a colocated one does, when the decode replica's stats count the request (or after settle_max_s); one whose request
+finished or failed on its prefill replica, and so never gets there, is withdrawn (AdmissionClient.release).
 """
 
 from dataclasses import dataclass, replace

@@ -145,3 +145,31 @@ def test_decode_room_gone_while_prefill_waited_withdraws_the_prefill_reservation
         assert held(prefill) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_decode_reservation_whose_request_ends_on_prefill_is_withdrawn_from_the_actor_too() -> None:
+    """Released before its sync, it never reaches the actor; released after, the next sync drops it there."""
+    clock = [0.0]
+    p_actor, d_actor, prefill, decode = roles(clock)
+
+    async def scenario() -> None:
+        p_actor.report(stats("p", total=40, free=40))
+        d_actor.report(stats("d", total=40, free=40))
+        await prefill.refresh()
+        await decode.refresh()
+        first = await decide_roles(prefill, decode, PREFILL, DECODE)
+        decode.release(first.decode)  # not synced yet
+        assert held(decode) == 0
+        await decode.refresh()
+        assert not d_actor.controller.book.held
+        second = await decide_roles(prefill, decode, PREFILL, DECODE)
+        clock[0] = 0.1
+        await decode.refresh()  # the actor holds it now, for every router
+        assert d_actor.controller.reserved("d")[0] == 32 and held(decode) == 32
+        decode.release(second.decode)
+        clock[0] = 0.2
+        await decode.refresh()
+        assert d_actor.controller.reserved("d")[0] == 0 and held(decode) == 0
+        assert (await decide_roles(prefill, decode, PREFILL, DECODE)).refusal is None  # its room is back
+
+    asyncio.run(scenario())
