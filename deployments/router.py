@@ -153,7 +153,7 @@ class Router:
         keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS, adapter and adapter[1])
         ask = Ask(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
         handed = None
-        if handoff and self.decode_gate is not None:  # the prefill replica holds the prompt and first token only
+        if handoff and max_tokens > 1 and self.decode_gate is not None:  # prefill holds the prompt and first token
             handed = Ask(num_blocks(len(prompts[0]) + 1, self.block_size), output_tokens=max_tokens)
             ask = replace(ask, output_tokens=1)
         roles = await decide_roles(self.gate, self.decode_gate, ask, handed)
@@ -173,7 +173,7 @@ class Router:
         raise admission_refusal(d, where, max(sizes), self.gate.controller.config.max_queue_time_s)
 
     def release_decode(self, d: Decision | None) -> None:
-        """A request admitted on the decode role that will not get there: withdraw its reservation (if unsynced)."""
+        """A request admitted on the decode role that will not get there: withdraw its reservation."""
         if d is not None and self.decode_gate is not None:
             self.decode_gate.release(d)
 
