@@ -90,7 +90,8 @@ async def disaggregated_stream(
     its first token is replaced (module docstring); a failed transfer, or a handoff no decode replica took, ends
     the request with HandoffFailed naming every try's error. Either way no blocks stay behind: the prefill replica
     freed its own when it exported them, and the decode replica's go with its request (or its process).
-    `decode`: the decode role's admission decision; its reservation is withdrawn when the request never gets there."""
+    `decode`: the decode role's admission decision; its reservation is withdrawn when the request does not get there
+    (it ended on its prefill replica) or its decode replica refused or lost it."""
     call = router.replica.prefill.remote(req, routing_hint=hint, received_at=received_at)
     router.drain.track(call)
     try:
@@ -128,6 +129,8 @@ async def disaggregated_stream(
             e = cause(e)
             why = retry_reason(e)
             errors.append(repr(e))
+            router.release_decode(decode)  # refused (not counted there) or lost: the reservation goes too
+            decode = None
             if streamed or why is None or attempt == MAX_DECODE_TRIES - 1:
                 raise HandoffFailed("; ".join(errors)) from None
             if isinstance(e, HandoffRefused):
