@@ -63,7 +63,8 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
     kv_autoscaling: KVAutoscaling | None = None
-    # the admission actor; `enabled: false`: none, every request goes straight to a replica
+    # the admission actor (a disaggregated app: one per role); `enabled: false`: none, every request goes straight to a
+    # replica
     admission: AdmissionArgs = AdmissionArgs()
     # the KV-aware request router; `enabled: false`: Ray Serve's default router. Its ranking weights are admission's too
     request_router: RequestRouterArgs = RequestRouterArgs()
