@@ -21,7 +21,7 @@ from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.admission_controller import AdmissionController, Decision
 from conveyor.cluster.leases import Leases
 from conveyor.cluster.nodes import node_of_this_process
-from conveyor.cluster.reservations import ReservationReport
+from conveyor.cluster.reservations import Reservation, ReservationReport
 from conveyor.cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
@@ -62,17 +62,21 @@ class AdmissionActor:
         router_id: str | None = None,
         demand: int = 0,
         short: int = 0,
+        withdrawn: Sequence[ReservationReport] = (),
     ) -> dict[str, Any]:
         """A router's refresh: takes its reservations since the last sync, returns `snapshot()` plus "kv": the KV index's changes since `kv_since` and the reserved keys,
         "routers": how many routers synced in the last `ROUTER_TTL_S`, and for a router that names itself,
         "lease": its new lease (cluster.leases; `demand`: the blocks it wanted since its last sync, `short`: what
-        its request refused for want of lease needs)."""
+        its request refused for want of lease needs); `withdrawn`: reservations it sent before whose requests will
+        not go there after all."""
         now = self.clock()
         if router_id is not None:
             self.routers[router_id] = now
         self.routers = {r: t for r, t in self.routers.items() if now - t <= ROUTER_TTL_S}
         for r in reservations:
             self.controller.reserve(r.replica_id, r.blocks, now - max(0.0, r.age_s), r.requests, r.keys)
+        for r in withdrawn:
+            self.controller.book.withdraw(r, now)
         snap = self.snapshot()
         snap["kv"] = admission_snapshot.kv_snapshot(self.controller, kv_since)
         snap["routers"] = max(1, len(self.routers))
@@ -156,6 +160,7 @@ class AdmissionClient:
         self._wake = asyncio.Event()
         self.decisions = 0
         self.quiet = False  # the last refresh found no request here and no work on any replica: sync slower
+        self.withdrawn: list[Reservation] = []  # released after they were sent: the actor drops them at the next sync
 
     async def refresh(self, unless_since: float | None = None) -> dict[str, Any]:
         """One sync with the actor; `unless_since`: none if a sync ended since then (the requests of a burst that
@@ -165,18 +170,20 @@ class AdmissionClient:
                 return self.snapshot
             if unless_since is not None and self.error is not None and self.failed_at >= unless_since:
                 raise self.error
-            taken = self.controller.book.take()
+            taken, withdrawn, self.withdrawn = self.controller.book.take(), self.withdrawn, []
             try:
                 if self._actor is None:
                     self._actor = await asyncio.wait_for(self._get_actor(), timeout=2.0)
                 asked_at = now = self.clock()
                 sent = [r.report(now) for r in taken]
                 demand, short, self.demand, self.short = self.demand, self.short, 0, 0
-                call = self._actor.sync.remote(sent, self.kv_version, self.router_id, demand, short)
+                gone = [r.report(now) for r in withdrawn]
+                call = self._actor.sync.remote(sent, self.kv_version, self.router_id, demand, short, gone)
                 snapshot = await asyncio.wait_for(call, timeout=2.0)
             except Exception as e:
                 self._actor, self.failed_at, self.error = None, self.clock(), e
                 self.controller.book.untake(taken)
+                self.withdrawn = withdrawn + self.withdrawn
                 self.controller.synced_at = None  # cut off: the view ages by the clock again (then fails open)
                 raise
             self.fetched_at = self.clock()
@@ -225,10 +232,11 @@ class AdmissionClient:
         num_seqs: int = 1,
         output_tokens: int = 0,
         lora: str | None = None,
+        hold: bool = True,
     ) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
         refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens; `lora`: its
-        LoRA adapter."""
+        LoRA adapter; `hold=False`: the verdict only, nothing reserved (`decide_now` reserves later)."""
         self.decisions += 1
         if self.quiet:
             self.quiet = False
@@ -274,10 +282,44 @@ class AdmissionClient:
                     )
             finally:
                 self.queued -= 1
-        if d.admit:
-            self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
-            self.demand += 0 if short else d.new_blocks
+        if d.admit and hold:
+            d = self._hold(d, now, num_seqs, keys, count_demand=not short)
         return replace(d, reason="no_room") if d.reason == "lease" else d
+
+    def decide_now(
+        self,
+        num_prompt_blocks: int,
+        largest_blocks: int | None = None,
+        keys: Sequence[bytes] = (),
+        num_seqs: int = 1,
+        output_tokens: int = 0,
+        lora: str | None = None,
+    ) -> Decision:
+        """`decide` on the current view without waiting (no sync, lease claim or queue): reserves when admitted."""
+        self.decisions += 1
+        now = self.clock()
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
+        if d.admit:
+            d = self._hold(d, now, num_seqs, keys)
+        return replace(d, reason="no_room") if d.reason == "lease" else d
+
+    def _hold(
+        self, d: Decision, now: float, num_seqs: int, keys: Sequence[bytes], count_demand: bool = True
+    ) -> Decision:
+        r = self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
+        self.demand += d.new_blocks if count_demand else 0
+        return replace(d, reservation=r)
+
+    def release(self, d: Decision) -> None:
+        """Withdraw what admitting `d` reserved (its request will not go there): at once if not sent yet, else from
+        the actor at the next sync."""
+        r = d.reservation
+        if r is None:
+            return
+        if self.controller.book.release(r):
+            self.demand = max(0, self.demand - r.blocks)
+        else:
+            self.withdrawn.append(r)
 
     async def _await_lease(self, d: Decision, *args: Any) -> Decision:
         """A replica has room but this router's lease of it is spent: claim what the request needs at once (the

@@ -19,6 +19,7 @@ from typing import Sequence
 from conveyor.cluster import placement
 from conveyor.cluster.queue_time import retry_after_s
 from conveyor.cluster.replica_view import ReplicaView
+from conveyor.cluster.reservations import Reservation
 from conveyor.cluster.score import prefer_resident, replica_score
 
 
@@ -31,6 +32,7 @@ class Decision:
     cached_blocks: dict[str, float] = field(default_factory=dict)  # per replica: credited_blocks
     queue_time_s: float = 0.0
     new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
+    reservation: Reservation | None = None  # router side: what admitting it reserved on replicas[0]
 
 
 class AdmissionController(ReplicaView):

@@ -227,9 +227,12 @@ class ReplicaView:
 
     def reserve(
         self, replica_id: str, num_blocks: int, now: float, requests: int = 1, keys: Sequence[bytes] = ()
-    ) -> None:
+    ) -> Reservation | None:
         """Charge an admitted request to a replica until stats that can include it arrive."""
-        if replica_id in self.replicas:
-            self.book.add(Reservation(replica_id, now, num_blocks, requests, tuple(keys)))
-            self.settle(replica_id, now)
-            self.hot.record(replica_id, keys, now)
+        if replica_id not in self.replicas:
+            return None
+        r = Reservation(replica_id, now, num_blocks, requests, tuple(keys))
+        self.book.add(r)
+        self.settle(replica_id, now)
+        self.hot.record(replica_id, keys, now)
+        return r

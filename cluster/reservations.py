@@ -93,6 +93,37 @@ class ReservationBook:
         else:
             self.held.pop(replica_id, None)
 
+    def release(self, r: Reservation) -> bool:
+        """Withdraw a reservation this process holds (its request will not go there): True when it had not been
+        sent yet; else the holder of the shared one must `withdraw` it too."""
+        self.inflight = [x for x in self.inflight if x is not r]
+        held = self.held.get(r.replica_id, [])
+        kept = [x for x in held if x is not r]
+        if len(kept) == len(held):
+            return False
+        if kept:
+            self.held[r.replica_id] = kept
+        else:
+            self.held.pop(r.replica_id, None)
+        return True
+
+    def withdraw(self, report: "ReservationReport", now: float) -> bool:
+        """Actor side: drop the reservation a router withdrew (`report`, as it sent it before), if not settled yet."""
+        at = now - max(0.0, report.age_s)
+        same = [
+            r
+            for r in self.held.get(report.replica_id, ())
+            if (r.blocks, r.requests, r.keys) == (report.blocks, report.requests, report.keys)
+        ]
+        if not same:
+            return False
+        r = min(same, key=lambda r: abs(r.at - at))
+        if kept := [x for x in self.held[report.replica_id] if x is not r]:
+            self.held[report.replica_id] = kept
+        else:
+            self.held.pop(report.replica_id)
+        return True
+
     def forget(self, replica_id: str) -> None:
         self.held.pop(replica_id, None)
         self.arrived.pop(replica_id, None)
@@ -106,10 +137,12 @@ class ReservationBook:
         return taken
 
     def untake(self, taken: list[Reservation]) -> None:
-        ids = {id(r) for r in taken}
-        self.inflight = [r for r in self.inflight if id(r) not in ids]
+        """The send failed: the reservations still in flight are held again (not those released meanwhile)."""
+        ids = {id(r) for r in self.inflight}
+        self.inflight = [r for r in self.inflight if id(r) not in {id(t) for t in taken}]
         for r in taken:
-            self.add(r)
+            if id(r) in ids:
+                self.add(r)
 
     def shared(self) -> None:
         self.inflight = []

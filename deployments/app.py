@@ -15,7 +15,7 @@ from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.autoscaling import KVScalingConfig, PrefillScalingConfig
 from conveyor.cluster.routing import RouterConfig
 from conveyor.deployments.cluster_args import RANKING, AdmissionArgs, RequestRouterArgs
-from conveyor.deployments.disaggregation import DECODE_ROUTER, Disaggregation
+from conveyor.deployments.disaggregation import DECODE_ADMISSION, DECODE_ROUTER, Disaggregation
 from conveyor.deployments.http_guard import GuardConfig
 from conveyor.deployments.kv_autoscaling import KV_POLICY, PREFILL_POLICY, KVAutoscaling
 from conveyor.deployments.node_placement import HEAD_PIN, replica_bundles
@@ -63,7 +63,8 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
     kv_autoscaling: KVAutoscaling | None = None
-    # the admission actor; `enabled: false`: none, every request goes straight to a replica
+    # the admission actor (a disaggregated app: one per role); `enabled: false`: none, every request goes straight to a
+    # replica
     admission: AdmissionArgs = AdmissionArgs()
     # the KV-aware request router; `enabled: false`: Ray Serve's default router. Its ranking weights are admission's too
     request_router: RequestRouterArgs = RequestRouterArgs()
@@ -281,7 +282,11 @@ def build_app(args: AppArgs) -> Application:
             "name": "LLMDecode",
             **role_replicas(d.decode_replicas, d.decode_autoscaling, KV_POLICY),
         }
-        decode_options.pop("deployment_actors", None)
+        if args.admission.enabled:  # the decode role's own admission actor (deployments/role_admission.py)
+            decode_options["deployment_actors"] = [
+                a.model_copy(update={"init_kwargs": {"config": {**args.admission_config(), **DECODE_ADMISSION}}})
+                for a in decode_options["deployment_actors"]
+            ]
         if args.request_router.enabled:
             decode_options["request_router_config"] = RequestRouterConfig(
                 request_router_class="conveyor.cluster.routing:KVAwareRequestRouter",
@@ -292,8 +297,6 @@ def build_app(args: AppArgs) -> Application:
         decode_args = {
             **replica_args,
             "engine_args": {**args.engine_config(), **d.decode_engine},
-            "stats_push_s": 0.0,
-            "heartbeat_s": 0.0,
         }
         decode = DisaggregatedReplica.options(**decode_options).bind(**decode_args)
         replica = DisaggregatedReplica.options(**prefill_options).bind(**replica_args)

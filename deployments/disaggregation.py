@@ -15,18 +15,22 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from conveyor.cluster.admission_controller import Decision
 from conveyor.cluster.routing import RoutingHint
 from conveyor.cluster.stats import num_blocks
 from conveyor.deployments.api_error import APIError
 from conveyor.deployments.kv_autoscaling import KVAutoscaling
 from conveyor.deployments.protocol import Chunk, GenerateRequest
 from conveyor.deployments.replica_errors import cause, replica_lost
+from conveyor.deployments.role_admission import decode_hint
 
 if TYPE_CHECKING:
     from conveyor.deployments.router import Router
 
 MAX_DECODE_TRIES = 2
 DECODE_ROUTER = {"affinity_weight": 0.0, "headroom_weight": 1.0, "queue_weight": 0.25}
+# the decode role's admission (deployments/role_admission.py): ranks as the decode routing does, decides on KV room
+DECODE_ADMISSION = {**DECODE_ROUTER, "placement": False, "max_queue_time_s": 0.0}
 
 
 class Disaggregation(BaseModel):
@@ -79,21 +83,28 @@ def retry_reason(e: BaseException) -> str | None:
 
 
 async def disaggregated_stream(
-    router: "Router", req: GenerateRequest, hint: RoutingHint, received_at: float
+    router: "Router", req: GenerateRequest, hint: RoutingHint, received_at: float, decode: Decision | None = None
 ) -> AsyncIterator[Chunk]:
     """The prefill replica's chunk (the first token, or the whole answer when that token finishes it), then the
     decode replica's. A failed prefill fails as a colocated request does; a decode replica lost or refusing before
     its first token is replaced (module docstring); a failed transfer, or a handoff no decode replica took, ends
     the request with HandoffFailed naming every try's error. Either way no blocks stay behind: the prefill replica
-    freed its own when it exported them, and the decode replica's go with its request (or its process)."""
+    freed its own when it exported them, and the decode replica's go with its request (or its process).
+    `decode`: the decode role's admission decision; its reservation is withdrawn when the request does not get there
+    (it ended on its prefill replica) or its decode replica refused or lost it."""
     call = router.replica.prefill.remote(req, routing_hint=hint, received_at=received_at)
     router.drain.track(call)
     try:
         first: Chunk = await call
+    except BaseException:
+        router.release_decode(decode)
+        raise
     finally:
         router.drain.untrack(call)
     handoff = first.pop("handoff", None)
     router._observe(first)
+    if handoff is None:
+        router.release_decode(decode)
     yield first
     if handoff is None:
         return
@@ -103,7 +114,7 @@ async def disaggregated_stream(
     for attempt in range(MAX_DECODE_TRIES):
         # a try of its own on the token channel: a lost replica's chunks still in flight reach no one
         try_req = req if attempt == 0 else req.model_copy(update={"request_id": f"{req.request_id}-try{attempt}"})
-        hint = RoutingHint(num_prompt_blocks=blocks, exclude=tuple(refused))
+        hint = decode_hint(router.decode_gate, decode, blocks, refused)
         streamed = False
         try:
             async for chunk in router.follow(
@@ -118,6 +129,8 @@ async def disaggregated_stream(
             e = cause(e)
             why = retry_reason(e)
             errors.append(repr(e))
+            router.release_decode(decode)  # refused (not counted there) or lost: the reservation goes too
+            decode = None
             if streamed or why is None or attempt == MAX_DECODE_TRIES - 1:
                 raise HandoffFailed("; ".join(errors)) from None
             if isinstance(e, HandoffRefused):

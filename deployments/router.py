@@ -1,7 +1,7 @@
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
@@ -10,6 +10,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.admission_controller import Decision
 from conveyor.cluster.admission_metrics import prometheus_text
 from conveyor.cluster.nodes import node_of_this_process
 from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
@@ -33,6 +34,7 @@ from conveyor.deployments.request_models import (
 from conveyor.deployments.responder import respond
 from conveyor.deployments.response_models import ModelCard, ModelList
 from conveyor.deployments.responses import ResponseBuilder, error_response, install_error_handlers
+from conveyor.deployments.role_admission import Ask, decide_roles
 from conveyor.deployments.serve_logs import flush_at_warning
 from conveyor.deployments.token_channel import TokenInbox, follow
 from conveyor.engine.checkpoints.model_source import resolve_model
@@ -105,6 +107,11 @@ class Router:
             HTTPGuard.door = Door(self.gate, self.metrics.admission.labels(admitted="false", reason="queue_time").inc)
             self.metrics.queued.set_function(lambda: self.gate.queued)
             self._metrics_pusher = asyncio.create_task(self._push_metrics())
+        # the decode role's own admission (deployments/role_admission.py)
+        self.decode_gate = None
+        if args.admission and decode is not None:
+            self.decode_gate = AdmissionClient(lambda: decode.admission.remote())
+            self.decode_gate.start()
 
     async def metrics_actor(self) -> Any:
         if self._metrics_actor is None:
@@ -135,15 +142,23 @@ class Router:
         max_tokens: int = 0,
         salt: str | None = None,
         lora: LoRAModule | None = None,
-    ) -> RoutingHint:
-        """Admission's verdict for the whole request, before any replica sees it; raises the refusal."""
+        handoff: bool = False,
+    ) -> tuple[RoutingHint, Decision | None]:
+        """Admission's verdict for the whole request, before any replica sees it, and the decode role's decision
+        for a request to be handed off (`handoff`, in a disaggregated app); raises the refusal."""
         adapter = (lora.name, lora_cache_key(lora.name, lora.path)) if lora is not None else None
         if self.gate is None:
-            return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt, lora=adapter)
+            return RoutingHint.from_token_ids(prompts[0], self.block_size, salt=salt, lora=adapter), None
         sizes = [num_blocks(len(p), self.block_size) for p in prompts]
         keys = block_hashes(prompts[0], self.block_size, salt, MAX_PREFIX_BLOCKS, adapter and adapter[1])
-        d = await self.gate.decide(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
+        ask = Ask(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
+        handed = None
+        if handoff and max_tokens > 1 and self.decode_gate is not None:  # prefill holds the prompt and first token
+            handed = Ask(num_blocks(len(prompts[0]) + 1, self.block_size), output_tokens=max_tokens)
+            ask = replace(ask, output_tokens=1)
+        roles = await decide_roles(self.gate, self.decode_gate, ask, handed)
         Door.decided()
+        d = roles.refusal or roles.prefill
         self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
         if d.admit:
             return RoutingHint.from_token_ids(
@@ -154,12 +169,19 @@ class Router:
                 cached_blocks=d.cached_blocks,
                 keys=keys,
                 lora=adapter,
-            )
+            ), roles.decode
         raise admission_refusal(d, where, max(sizes), self.gate.controller.config.max_queue_time_s)
 
-    def stream(self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float) -> AsyncIterator[Chunk]:
+    def release_decode(self, d: Decision | None) -> None:
+        """A request admitted on the decode role that will not get there: withdraw its reservation."""
+        if d is not None and self.decode_gate is not None:
+            self.decode_gate.release(d)
+
+    def stream(
+        self, gen_req: GenerateRequest, hint: RoutingHint, received_at: float, decode: Decision | None = None
+    ) -> AsyncIterator[Chunk]:
         if self.decode_replicas is not None and can_hand_off(gen_req):
-            return disaggregated_stream(self, gen_req, hint, received_at)
+            return disaggregated_stream(self, gen_req, hint, received_at, decode)
         return self.follow(
             gen_req, lambda: self.replica.generate_to.remote(gen_req, routing_hint=hint, received_at=received_at)
         )
@@ -213,7 +235,10 @@ class Router:
                 prompts, where, max_tokens = self.pre.tokenize_prompts(req.prompt), "prompt", req.max_tokens
             gen_req = self.pre.prepare(await self.info(), req, prompts, max_tokens, where, structured)
             gen_req.lora = lora
-            hint = await self.admit(prompts, req.n, where, gen_req.sampling.max_tokens, req.cache_salt, lora)
+            handoff = self.decode_replicas is not None and can_hand_off(gen_req)
+            hint, decode = await self.admit(
+                prompts, req.n, where, gen_req.sampling.max_tokens, req.cache_salt, lora, handoff
+            )
             builder = ResponseBuilder(
                 chat,
                 f"{'chatcmpl' if chat else 'cmpl'}-{gen_req.request_id}",
@@ -224,7 +249,7 @@ class Router:
                 self.pre.decode,
                 parser,
             )
-            stream = self.stream(gen_req, hint, time.time() - (time.perf_counter() - start))
+            stream = self.stream(gen_req, hint, time.time() - (time.perf_counter() - start), decode)
             return await respond(self.metrics, req, stream, builder, start, time.perf_counter() - start)
         except APIError as e:
             return error_response(e)
@@ -343,6 +368,12 @@ class Router:
             snapshot = self.gate.snapshot
             if snapshot is None:
                 raise APIError(f"admission actor unavailable: {e!r}", status=503, type="service_unavailable") from None
+        if self.decode_gate is not None:  # a disaggregated app: the decode role's view under "decode"
+            try:
+                decode = await self.decode_gate.refresh()
+            except Exception:
+                decode = self.decode_gate.snapshot
+            snapshot = {**snapshot, "decode": decode}
         return JSONResponse({**snapshot, "router_node": node_of_this_process()})
 
     @app.get("/metrics")
@@ -353,8 +384,14 @@ class Router:
                 actor = await self.metrics_actor()  # this router's series go first, so every router shows them
                 await asyncio.wait_for(actor.report_metrics.remote(self.metrics.router, self.metrics.dump()), 2.0)
                 sources = await asyncio.wait_for(actor.metrics.remote(), 2.0)
+                if self.decode_gate is not None:  # the decode replicas push theirs to their role's actor
+                    decode = await asyncio.wait_for(self.decode_replicas.admission.remote(), 2.0)
+                    sources = {**sources, **await asyncio.wait_for(decode.metrics.remote(), 2.0)}
             except Exception as e:
                 self._metrics_actor = None
                 log.warning("cannot read the replicas' metrics from the admission actor: %r", e)
-        text = self.metrics.render(sources) + (prometheus_text(snapshot).encode() if snapshot else b"")
+        roles = None
+        if snapshot and self.decode_gate is not None and self.decode_gate.snapshot:
+            roles = {"prefill": snapshot, "decode": self.decode_gate.snapshot}
+        text = self.metrics.render(sources) + (prometheus_text(snapshot, roles=roles).encode() if snapshot else b"")
         return Response(text, media_type="text/plain; version=0.0.4")

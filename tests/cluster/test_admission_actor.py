@@ -22,6 +22,13 @@ def test_admission_actor_body_and_metrics():
     assert [r["admitting"] for r in snap["replicas"]] == [True, False]
     text = prometheus_text(snap)
     assert 'conveyor_replica_saturated{replica="r2"} 1.0' in text and "conveyor_cluster_admitting 1.0" in text
+    decode = AdmissionActor(clock=lambda: clock[0])
+    decode.report({**EngineStats(kv_blocks_total=8, kv_blocks_free=8).to_dict(), "replica_id": "d1"})
+    both = prometheus_text(snap, roles={"prefill": snap, "decode": decode.snapshot()})  # a disaggregated app's
+    assert 'conveyor_replica_saturated{role="prefill",replica="r2"} 1.0' in both
+    assert 'conveyor_replica_kv_blocks_free{role="decode",replica="d1"} 8.0' in both
+    assert 'conveyor_cluster_kv_blocks_total{role="decode"} 8.0' in both
+    assert both.count("# TYPE conveyor_replica_saturated gauge") == 1  # one family, both roles' series
     actor.forget("r2")
     clock[0] = 14.0
     assert actor.snapshot()["replicas"] == []  # r1 stopped reporting: dropped

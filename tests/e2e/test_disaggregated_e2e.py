@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 
 ARGS = {
     "model": "demo:tiny",
+    # admission off: decode admission would refuse the undersized decode pools' requests up front, and these tests
+    # are about refusals at the handoff (tests/e2e/test_role_admission_e2e.py: with admission)
+    "admission": {"enabled": False},
     "engine": {"max_num_batched_tokens": 32},  # a 100-token prompt prefills in chunks
     "disaggregation": {"prefill_replicas": 1, "decode_replicas": 1, "decode_engine": {"num_blocks": 12}},
 }

@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow
 
 ARGS = {
     "model": "demo:tiny",
+    # admission off: decode admission would refuse the undersized decode pools' requests up front, and these tests
+    # are about refusals at the handoff (tests/e2e/test_role_admission_e2e.py: with admission)
+    "admission": {"enabled": False},
     "disaggregation": {"prefill_replicas": 1, "decode_replicas": 2, "decode_engine": {"num_blocks": 16}},
 }
 LONG = " ".join(f"word{i}" for i in range(60))

@@ -3,8 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from conveyor.deployments.app import AppArgs
-from conveyor.deployments.disaggregation import can_hand_off
+from conveyor.deployments.app import AppArgs, build_app
+from conveyor.deployments.disaggregation import DECODE_ADMISSION, can_hand_off
 from conveyor.deployments.protocol import GenerateRequest, LoRAModule
 from conveyor.engine import SamplingParams
 
@@ -70,3 +70,25 @@ def test_only_single_sequence_requests_are_handed_off() -> None:
     assert not can_hand_off(GenerateRequest(prompts=[[1], [2]]))
     assert not can_hand_off(GenerateRequest(prompts=[[1]], sampling=SamplingParams(structured={"json": {}})))
     assert not can_hand_off(GenerateRequest(prompts=[[1]], lora=LoRAModule(name="a", path="/adapters/a")))
+
+
+def test_each_role_hosts_its_own_admission_actor() -> None:
+    """The decode replicas push their stats like the prefill ones, to an admission actor of their deployment, placed
+    like the prefill one and ranking as the decode routing does; with admission off, neither role has one."""
+    app = build_app(AppArgs(disaggregation={}, admission_resources={"head": 0.01}))
+    prefill = app._bound_deployment.init_args[0]._bound_deployment
+    decode = app._bound_deployment.init_kwargs["decode"]._bound_deployment
+    assert (prefill.name, decode.name) == ("LLMPrefill", "LLMDecode")
+    assert decode.init_kwargs["stats_push_s"] == prefill.init_kwargs["stats_push_s"] > 0
+    (p_actor,) = prefill._deployment_config.deployment_actors
+    (d_actor,) = decode._deployment_config.deployment_actors
+    assert p_actor.name == d_actor.name and d_actor.actor_options == p_actor.actor_options
+    assert d_actor.actor_options["resources"] == {"head": 0.01}
+    assert d_actor.init_kwargs["config"] == {**p_actor.init_kwargs["config"], **DECODE_ADMISSION}
+    assert (
+        p_actor.init_kwargs["config"]["affinity_weight"] == 1.0 and d_actor.init_kwargs["config"]["placement"] is False
+    )
+    off = build_app(AppArgs(disaggregation={}, admission={"enabled": False}))
+    for role in (off._bound_deployment.init_args[0], off._bound_deployment.init_kwargs["decode"]):
+        assert not role._bound_deployment._deployment_config.deployment_actors
+        assert role._bound_deployment.init_kwargs["stats_push_s"] == 0.0

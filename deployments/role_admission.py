@@ -1,0 +1,75 @@
+"""Admission per role in a disaggregated app (deployments/disaggregation.py). Each role's replicas push their stats to
+an admission actor of their own (the prefill and the decode deployment each host one, with the same machinery as a
+colocated app's), and the router keeps an AdmissionClient per role.
+
+A request that can be handed off needs room on both roles: on a decode replica its whole predicted KV (the handed-off
+prompt and first token, plus its likely output), on a prefill replica the prompt and first token within the
+queue-time bound. Decode is decided first (waiting for room as any admission does, holding nothing), then prefill
+(which reserves), then decode again on the same view without waiting, which reserves on the decode replica the
+request will be routed to; should that refuse (the room went while prefill was decided), the prefill reservation is
+withdrawn before anything else runs. Either refusal leaves nothing held on the other role. A decode reservation goes
+as a colocated one does, when the decode replica's stats count the request (or after settle_max_s); one whose request
+finished or failed on its prefill replica, and so never gets there, is withdrawn (AdmissionClient.release).
+"""
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.admission_controller import Decision
+from conveyor.cluster.routing import RoutingHint
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one role's admission decides on (AdmissionClient.decide's arguments)."""
+
+    blocks: int
+    largest_blocks: int | None = None
+    keys: Sequence[bytes] = ()
+    num_seqs: int = 1
+    output_tokens: int = 0
+    lora: str | None = None
+
+    def args(self) -> tuple:
+        return self.blocks, self.largest_blocks, self.keys, self.num_seqs, self.output_tokens, self.lora
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    """The prefill role's decision and the decode role's (None: not asked, the request runs whole on prefill)."""
+
+    prefill: Decision | None
+    decode: Decision | None = None
+
+    @property
+    def refusal(self) -> Decision | None:
+        return next((d for d in (self.decode, self.prefill) if d is not None and not d.admit), None)
+
+
+async def decide_roles(prefill: AdmissionClient, decode: AdmissionClient | None, p: Ask, d: Ask | None) -> RoleDecision:
+    """Both roles' decisions for a request to be handed off (`d`: its decode ask), on a refusal with nothing
+    reserved on either; the prefill role's alone for one that runs whole there (`d` None) or without decode
+    admission (`decode` None)."""
+    if decode is None or d is None:
+        return RoleDecision(await prefill.decide(*p.args()))
+    verdict = await decode.decide(*d.args(), hold=False)
+    if not verdict.admit:
+        return RoleDecision(None, verdict)
+    chosen = await prefill.decide(*p.args())
+    if not chosen.admit or verdict.reason == "fail_open":
+        return RoleDecision(chosen, verdict if chosen.admit else None)
+    held = decode.decide_now(*d.args())
+    if not held.admit:
+        prefill.release(chosen)
+    return RoleDecision(chosen, held)
+
+
+def decode_hint(
+    decode: AdmissionClient | None, d: Decision | None, num_prompt_blocks: int, exclude: Sequence[str]
+) -> RoutingHint:
+    """The decode routing's hint: admission's ranking (its first replica holds the reservation) and its KV demands."""
+    hint = RoutingHint(num_prompt_blocks=num_prompt_blocks, exclude=tuple(exclude))
+    if decode is None or d is None or not d.replicas:
+        return hint
+    return replace(hint, replicas=tuple(d.replicas), kv_demand=decode.controller.kv_demands(decode.clock()))
