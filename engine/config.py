@@ -183,9 +183,9 @@ class EngineConfig:
             )
         if self.scheduling_policy != "continuous":
             _fail("speculative", "needs scheduling_policy 'continuous'")
-        if self.tensor_parallel_size != 1:
-            _fail("speculative", "is not implemented with tensor_parallel_size > 1")
         if self.speculative.method == "draft":
+            if self.tensor_parallel_size != 1:
+                _fail("speculative.method", "'draft' is not implemented with tensor_parallel_size > 1")
             # the draft's KV cache lives beside the target's in the pool only: swap and the lower tiers copy the target's
             if self.preemption_mode != "recompute":
                 _fail("speculative.method", "'draft' needs preemption_mode 'recompute'")

@@ -86,6 +86,9 @@ class ModelRunner:
         self.batch = PersistentBatch(cdiv(config.max_model_len, config.block_size), self.vocab_size)
         self.special: set[str] = set()  # requests the sampler must treat one by one (penalties, seeds, ...)
         self.biased: set[str] = set()  # requests with a logit_bias
+        # ranks but 0 (which sample nothing): requests whose drafts were verified last time they ran, their block
+        # table rows not yet cut back to their computed tokens (rank 0 cuts at once: rejection_sampler.fold_drafts)
+        self.unfolded: set[str] = set()
         self.kv_cache = torch.empty(0)
         self.cpu_cache = torch.empty(0)
         self.tier_store: KVTierStore | None = None
@@ -188,6 +191,7 @@ class ModelRunner:
             self.batch.remove(rid)
             self.special.discard(rid)
             self.biased.discard(rid)
+            self.unfolded.discard(rid)
         for r in so.new_requests:
             self._add_request(r)
         self.swap_blocks(so.swap_out, to_cpu=True)
@@ -199,6 +203,9 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], kv_load_s=load_s) if self.rank == 0 else None
         chunks = sorted(so.chunks, key=_is_prefill)
         for c in chunks:
+            if c.req_id in self.unfolded:  # its computed tokens are c.start now: the scheduler rolled back the rest
+                self.unfolded.discard(c.req_id)
+                self.batch.num_blocks[self.batch.rows[c.req_id]] = cdiv(c.start, self.block_size)
             if c.new_block_ids or c.reset_blocks:
                 self.batch.set_blocks(c.req_id, c.new_block_ids, append=not c.reset_blocks)
         input_ids, positions, meta, sample_idx, rows, sampled = self._prepare(chunks, so.draft_token_ids)
@@ -213,6 +220,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.forward(input_ids, positions, meta)
         if self.rank != 0:
+            self.unfolded |= so.draft_token_ids.keys()
             return None
         tokens = tokens.tolist()
         accepted = {}

@@ -129,7 +129,7 @@ def test_config_errors_name_the_field(tmp_path) -> None:
     other = make_model(tmp_path / "vocab4096", config={"vocab_size": 4096})
     with pytest.raises(ValueError, match="speculative.model.*vocab_size 4096.*8192"):
         LLM(MODEL, speculative=draft(str(other)))
-    with pytest.raises(ValueError, match="speculative is not implemented with tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match="speculative.method 'draft' is not implemented with tensor_parallel_size > 1"):
         LLM(MODEL, speculative=draft(), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="speculative.method 'draft' needs preemption_mode 'recompute'"):
         LLM(MODEL, speculative=draft(), preemption_mode="swap", swap_space=2**20)

@@ -1,6 +1,7 @@
 """Tensor parallelism over gloo with real Ray workers: TP=2 (and TP=4, KV heads replicated) gives the same greedy
 tokens and logits as TP=1 under chunking and preemption; bad configs are refused; dead workers fail fast."""
 
+import random
 import sys
 import threading
 import time
@@ -100,6 +101,54 @@ def test_tp2_chunked_and_preempted(mode: str) -> None:
     try:
         assert llm.engine.stats().num_preemptions > 0
         assert got == want
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def computed_block_rows(runner: ModelRunner, blocks: dict[str, int]) -> dict[str, list[int]]:
+    """Each request's block ids of its first `blocks[req_id]` blocks, as this rank's block table holds them."""
+    return {rid: runner.batch.block_table[runner.batch.rows[rid], :n].tolist() for rid, n in blocks.items()}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tp2_ngram_speculation_matches_plain_tp1(mode: str) -> None:
+    """Rank 0 verifies the drafts; rank 1 never learns how many were accepted, yet must store every computed token's
+    KV in the block rank 0 does. Random weights: an output token drafts when it occurs in the prompt (each prompt
+    holds 1500 distinct tokens of 8192) and nearly every draft is rejected, so drafting steps roll back. After every
+    step both ranks map each request's computed tokens to the same blocks, and greedy tokens equal plain TP=1
+    decoding under preemption."""
+    model = "demo:qwen3-tiny"
+    prompts = [[1, *random.Random(i).sample(range(4, 8192), 1500)] for i in range(3)]
+    want, _ = engine_greedy(model, prompts, 2 * MAX_TOKENS)
+    llm = LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        max_model_len=2048,
+        num_blocks=300,
+        block_size=8,
+        preemption_mode=mode,
+        swap_space=2**22,
+        enable_prefix_caching=False,
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2 * MAX_TOKENS, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(str(i), p, params)
+        core, got = llm.engine.local_core, {}
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                if out.finished:
+                    got[int(out.request_id)] = out.outputs[0].token_ids
+            blocks = {s.request_id: -(-s.num_computed_tokens // 8) for s in core.scheduler.running}
+            rank0, rank1 = core.executor.collective_rpc(computed_block_rows, blocks)
+            assert rank1 == rank0
+        s = llm.engine.stats()
+        assert s.num_preemptions > 0
+        assert s.spec_decode_num_draft_tokens > s.spec_decode_num_accepted_tokens
+        assert [got[i] for i in range(len(prompts))] == want
         assert_no_leak(llm)
     finally:
         llm.engine.shutdown()
