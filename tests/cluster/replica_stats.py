@@ -38,6 +38,8 @@ def stats(
     decode: int = 0,
     finished: int = 0,
     seqs: int = 8,
+    queries: int = 0,
+    hits: int = 0,
     ts: float = 0.0,
 ) -> dict:
     return ReplicaStats(
@@ -52,6 +54,8 @@ def stats(
         busy_time_s=busy,
         num_prefill_tokens=prefill,
         num_decode_tokens=decode,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
         timestamp=ts,
     ).to_dict()
 

@@ -9,35 +9,12 @@ from conveyor.cluster.prefix_index import PrefixIndex
 from conveyor.cluster.queue_time import queue_time_s
 from conveyor.cluster.routing import Candidate, RouterConfig, choose, score_replicas
 from conveyor.cluster.stats import Rates, ReplicaStats, block_hashes
+from tests.cluster import replica_stats
 
 
-def stats(
-    rid: str,
-    free: int = 200,
-    total: int = 200,
-    running: int = 0,
-    waiting: int = 0,
-    waiting_tokens: int = 0,
-    busy: float = 0.0,
-    prefill: int = 0,
-    queries: int = 0,
-    hits: int = 0,
-    ts: float = 0.0,
-) -> ReplicaStats:
-    return ReplicaStats(
-        rid,
-        num_running=running,
-        num_waiting=waiting,
-        num_waiting_tokens=waiting_tokens,
-        kv_blocks_total=total,
-        kv_blocks_free=free,
-        max_num_seqs=16,
-        busy_time_s=busy,
-        num_prefill_tokens=prefill,
-        prefix_cache_queries=queries,
-        prefix_cache_hits=hits,
-        timestamp=ts,
-    )
+def stats(rid: str, **fields: float) -> ReplicaStats:
+    """A replica of 200 blocks and 16 sequences (tests/cluster/replica_stats.py's fields)."""
+    return ReplicaStats.from_dict(replica_stats.stats(rid, **{"free": 200, "total": 200, "seqs": 16, **fields}))
 
 
 def test_prefix_stays_until_its_queue_costs_more_than_the_prefill_it_saves():
