@@ -195,8 +195,8 @@ class EngineCore:
     def import_request(self, request_id: str, handoff: KVHandoff) -> None:
         """Continues a request another engine prefilled (kv_handoff.import_handoff); its first output reports
         only the tokens after the handoff's. Its KV goes in once its blocks fit the free ones and its adapter a
-        slot: handoffs wait here in arrival order, imported before each step's schedule. ValueError (nothing changed) when it
-        never could (check_handoff)."""
+        slot: handoffs wait here in arrival order, imported before each step's schedule. ValueError (nothing
+        changed) when it never could (check_handoff)."""
         blocks = check_handoff(self, handoff, request_id)
         self.importing.append((request_id, handoff, blocks))
         self.num_added += 1
