@@ -27,7 +27,11 @@ ARGS = {
     # are about refusals at the handoff (tests/e2e/test_role_admission_e2e.py: with admission)
     "admission": {"enabled": False},
     "engine": {"max_num_batched_tokens": 32},  # a 100-token prompt prefills in chunks
-    "disaggregation": {"prefill_replicas": 1, "decode_replicas": 1, "decode_engine": {"num_blocks": 12}},
+    "disaggregation": {
+        "prefill_replicas": 1,
+        "decode_replicas": 1,
+        "decode_engine": {"num_blocks": 12, "max_lora_rank": 8},
+    },
 }
 LONG = " ".join(f"word{i}" for i in range(60))  # > 32 tokens
 
@@ -130,6 +134,22 @@ def test_a_lora_chat_is_handed_off_with_its_adapter(app: App, adapter: str, tmp_
             assert engine["lora_adapters"] == [name]  # max_loras 1: the decode replica's one slot holds it now
     assert wait_for(pools_whole)
     assert app.http.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
+
+
+def test_an_adapter_the_decode_replica_cannot_load_is_an_explicit_error(app: App, tmp_path: Path) -> None:
+    """A rank-16 adapter: the prefill replicas take it (max_lora_rank 16), the decode replica refuses the handoff
+    (its max_lora_rank is 8) rather than continue on the base model; with no other decode replica the request ends
+    with a 503 naming the handoff and the rank, and both pools are whole."""
+    hf = AutoConfig.from_pretrained(resolve_model("demo:tiny"))
+    big = str(write_random_adapter(tmp_path / "big", hf, "demo:tiny", rank=16, seed=2))
+    assert app.http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": big}).status_code == 200
+    refused = handle("Decode").handoff_stats.remote().result()["refused"]
+    body = {"model": "big", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    r = app.http.post("/v1/completions", json=body)
+    assert r.status_code == 503 and "handoff" in r.text and "max_lora_rank" in r.text, r.text
+    assert handle("Decode").handoff_stats.remote().result()["refused"] == refused + 1
+    assert wait_for(pools_whole)
+    assert app.http.post("/v1/unload_lora_adapter", json={"lora_name": "big"}).status_code == 200
 
 
 def test_first_token_that_finishes_stays_on_the_prefill_replica(app: App) -> None:
