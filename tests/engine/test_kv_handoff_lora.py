@@ -164,3 +164,21 @@ def test_a_handoff_from_before_the_adapter_field_still_decodes(adapters) -> None
     fields = msgspec.msgpack.decode(msgspec.msgpack.encode(base))
     assert len(fields) == len(KVHandoff.__struct_fields__) and fields[-1] is None
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(fields[:-1]), type=KVHandoff) == base
+
+
+def test_imported_lora_requests_preempted_and_recomputed_keep_their_adapters(adapters) -> None:
+    """A decode pool too small for every import's growth: imported requests are preempted and recomputed there,
+    with their own adapters (recompute prefills under the adapter's prefix keys), to the colocated tokens."""
+    jobs = jobs_of(adapters)
+    outs = engine().generate(
+        [{"prompt_token_ids": ids} for ids, _ in jobs], GREEDY, use_tqdm=False, lora_request=[lora for _, lora in jobs]
+    )
+    handoffs = prefill(engine(), jobs)
+    decode = engine(num_blocks=10)
+    for i, h in enumerate(handoffs):
+        decode.engine.import_request(f"d{i}", h)
+    done = run_all(decode.engine)
+    assert [done[f"d{i}"].outputs[0].token_ids for i in range(len(jobs))] == [o.outputs[0].token_ids for o in outs]
+    assert decode.engine.stats().num_preemptions > 0
+    check_invariants(decode.engine.local_core.scheduler)
+    assert_no_leak(decode)
