@@ -41,6 +41,7 @@ class DisaggregatedReplica(LLMReplica.func_or_class):
             cache_salt=req.cache_salt,
             validated=True,
             prefill_only=True,
+            lora_request=self.lora_request(req.lora),
         ):
             self.metrics.observe_output(out)
         c, handoff = out.outputs[0], out.kv_handoff
@@ -69,9 +70,10 @@ class DisaggregatedReplica(LLMReplica.func_or_class):
         routing_hint: RoutingHint | None = None,
         received_at: float | None = None,
     ) -> Chunk:
-        """generate_to for a request a prefill replica started: its KV comes from the object store. HandoffRefused
-        when this replica cannot take it (its import check or limits; or the router tried it already, named in
-        `routing_hint.exclude`, and no other decode replica was left to route to)."""
+        """generate_to for a request a prefill replica started: its KV comes from the object store, a LoRA request
+        runs with its adapter (registered here on first use, as generate_to does). HandoffRefused when this
+        replica cannot take it (its import check or limits, an adapter it cannot load; or the router tried it
+        already, named in `routing_hint.exclude`, and no other decode replica was left to route to)."""
         if self.replica_id in getattr(routing_hint, "exclude", ()):
             raise HandoffRefused(self.replica_id, "tried already for this request")
         start = time.perf_counter()

@@ -3,8 +3,8 @@
 prompt's KV and first token and puts its KVHandoff in Ray's object store; the router streams that first token
 and hands the object's reference to a decode replica (chosen by KV headroom), which fetches the KV straight
 from the prefill replica's node, imports it and streams the rest. The client sees one stream.
-Requests that cannot be handed off (n > 1, several prompts, structured outputs, a LoRA adapter) run whole on a
-prefill replica.
+Requests that cannot be handed off (n > 1, several prompts, structured outputs) run whole on a prefill replica.
+A LoRA request's handoff names its adapter; the decode replica loads it from the same path.
 
 A decode replica that refuses the handoff (HandoffRefused: its import check, its limits) or is lost before the
 router has passed on any of its tokens is replaced: the same handoff (still in the object store) goes to another
@@ -53,8 +53,7 @@ class Disaggregation(BaseModel):
 
 
 def can_hand_off(req: GenerateRequest) -> bool:
-    """A LoRA request runs whole on a prefill replica: a KVHandoff carries no adapter."""
-    return req.n == 1 and len(req.prompts) == 1 and req.sampling.structured is None and req.lora is None
+    return req.n == 1 and len(req.prompts) == 1 and req.sampling.structured is None
 
 
 class HandoffFailed(APIError):
@@ -114,7 +113,7 @@ async def disaggregated_stream(
     for attempt in range(MAX_DECODE_TRIES):
         # a try of its own on the token channel: a lost replica's chunks still in flight reach no one
         try_req = req if attempt == 0 else req.model_copy(update={"request_id": f"{req.request_id}-try{attempt}"})
-        hint = decode_hint(router.decode_gate, decode, blocks, refused)
+        hint = decode_hint(router.decode_gate, decode, blocks, refused, req.lora and req.lora.name)
         streamed = False
         try:
             async for chunk in router.follow(

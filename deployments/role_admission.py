@@ -66,10 +66,15 @@ async def decide_roles(prefill: AdmissionClient, decode: AdmissionClient | None,
 
 
 def decode_hint(
-    decode: AdmissionClient | None, d: Decision | None, num_prompt_blocks: int, exclude: Sequence[str]
+    decode: AdmissionClient | None,
+    d: Decision | None,
+    num_prompt_blocks: int,
+    exclude: Sequence[str],
+    lora: str | None = None,
 ) -> RoutingHint:
-    """The decode routing's hint: admission's ranking (its first replica holds the reservation) and its KV demands."""
-    hint = RoutingHint(num_prompt_blocks=num_prompt_blocks, exclude=tuple(exclude))
+    """The decode routing's hint: admission's ranking (its first replica holds the reservation), its KV demands and
+    the request's adapter by name (without admission, replicas holding it rank first)."""
+    hint = RoutingHint(num_prompt_blocks=num_prompt_blocks, exclude=tuple(exclude), lora=lora)
     if decode is None or d is None or not d.replicas:
         return hint
     return replace(hint, replicas=tuple(d.replicas), kv_demand=decode.controller.kv_demands(decode.clock()))

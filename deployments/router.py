@@ -154,7 +154,7 @@ class Router:
         ask = Ask(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
         handed = None
         if handoff and max_tokens > 1 and self.decode_gate is not None:  # prefill holds the prompt and first token
-            handed = Ask(num_blocks(len(prompts[0]) + 1, self.block_size), output_tokens=max_tokens)
+            handed = Ask(num_blocks(len(prompts[0]) + 1, self.block_size), output_tokens=max_tokens, lora=ask.lora)
             ask = replace(ask, output_tokens=1)
         roles = await decide_roles(self.gate, self.decode_gate, ask, handed)
         Door.decided()

@@ -13,7 +13,14 @@ from transformers import PreTrainedTokenizerBase
 
 from conveyor.engine.core.block_manager import BlockManager
 from conveyor.engine.core.kv_events import KVEvents
-from conveyor.engine.core.kv_handoff import HANDOFF, KVHandoff, check_handoff, export_handoff, import_handoff
+from conveyor.engine.core.kv_handoff import (
+    HANDOFF,
+    KVHandoff,
+    can_start,
+    check_handoff,
+    export_handoff,
+    import_handoff,
+)
 from conveyor.engine.core.kv_tiers import KVTiers, LoadCost
 from conveyor.engine.core.messages import AddRequest, CoreOutput
 from conveyor.engine.core.output_lengths import OutputLengths
@@ -187,9 +194,9 @@ class EngineCore:
 
     def import_request(self, request_id: str, handoff: KVHandoff) -> None:
         """Continues a request another engine prefilled (kv_handoff.import_handoff); its first output reports
-        only the tokens after the handoff's. Its KV goes in once its blocks fit the free ones: handoffs wait
-        here in arrival order, imported before each step's schedule. ValueError (nothing changed) when it
-        never could (check_handoff)."""
+        only the tokens after the handoff's. Its KV goes in once its blocks fit the free ones and its adapter a
+        slot: handoffs wait here in arrival order, imported before each step's schedule. ValueError (nothing
+        changed) when it never could (check_handoff)."""
         blocks = check_handoff(self, handoff, request_id)
         self.importing.append((request_id, handoff, blocks))
         self.num_added += 1
@@ -197,7 +204,7 @@ class EngineCore:
 
     def _import_waiting(self) -> list[CoreOutput]:
         failed = []
-        while self.importing and self.importing[0][2] <= self.block_manager.num_free_blocks:
+        while self.importing and can_start(self, self.importing[0][1], self.importing[0][2]):
             rid, handoff, _ = self.importing.popleft()
             try:
                 seq = import_handoff(self, handoff, rid)

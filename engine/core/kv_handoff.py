@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation at the engine core: a request added with `prefill_only` leaves the engine after
 its first token with a KVHandoff (its computed tokens' KV blocks, its tokens, its sampling state); another
 engine's `import_handoff` takes it in and decodes on as if it had prefilled it. The KV travels as bytes so the
-same object crosses a ZeroMQ socket (msgpack), Ray's object store or a torch.distributed send."""
+same object crosses a ZeroMQ socket (msgpack), Ray's object store or a torch.distributed send. A LoRA request's
+handoff names its adapter: the importing engine runs it with the same adapter (loaded from its path into one of
+its own slots) and keys the imported blocks with that adapter's prefix keys."""
 
 import time
 import warnings
@@ -12,6 +14,7 @@ import numpy as np
 import torch
 
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.step import NewRequestData
 
@@ -23,7 +26,8 @@ HANDOFF = "handoff"  # the finish_reason of a prefill-only request that left wit
 
 class KVHandoff(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request between a prefill and a decode engine. `kv`: the KV of its first `num_computed` tokens
-    (prompt + outputs but the last), laid out [2, layers, blocks, block_size, kv_heads, head_dim] in `dtype`."""
+    (prompt + outputs but the last), laid out [2, layers, blocks, block_size, kv_heads, head_dim] in `dtype`.
+    `lora`: the adapter the prefill engine ran it with (None: the base model)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +40,7 @@ class KVHandoff(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     generator_state: bytes | None = None
     num_cached_tokens: int = 0
+    lora: LoRARequest | None = None
 
     @property
     def num_computed(self) -> int:
@@ -83,6 +88,7 @@ def export_handoff(core: "EngineCore", seq: Sequence) -> KVHandoff:
         seq.cache_salt,
         tensor_bytes(gen) if gen is not None else None,
         seq.num_cached_tokens,
+        seq.lora,
     )
 
 
@@ -103,19 +109,32 @@ def check_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = Non
         raise ValueError("KVHandoff.params: structured outputs are not handed off")
     if want[2] > kv.num_blocks:
         raise ValueError(f"KVHandoff: {want[2]} blocks are more than this engine's {kv.num_blocks}")
+    if h.lora is not None and sched.lora_slots is None:
+        raise ValueError("KVHandoff.lora: LoRA is off here (EngineConfig.max_loras is 0)")
     return want[2]
+
+
+def can_start(core: "EngineCore", h: KVHandoff, num_blocks: int) -> bool:
+    """Whether the handoff's KV fits the free blocks and its adapter a slot beside the running requests'."""
+    sched = core.scheduler
+    if num_blocks > core.block_manager.num_free_blocks:
+        return False
+    return h.lora is None or sched.lora_slots.fits(h.lora, sched.running)
 
 
 def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = None) -> Sequence:
     """Allocates blocks for the handoff's KV, writes it, publishes its full blocks' prefix keys and runs the
-    request from its next decode step. ValueError (nothing changed) when the KV does not fit this engine's
-    layout or its free blocks."""
+    request from its next decode step (with the handoff's adapter, which the scheduler gives a slot as it does
+    any running request's). ValueError (nothing changed) when the KV does not fit this engine's layout or its
+    free blocks, or its adapter no slot."""
     runner, kv, sched = _runner(core), core.block_manager, core.scheduler
     rid = request_id or h.request_id
     n = check_handoff(core, h, rid)
     if n > kv.num_free_blocks:
         raise ValueError(f"KVHandoff: {n} blocks do not fit the {kv.num_free_blocks} free blocks")
-    seq = Sequence(rid, list(h.prompt_token_ids), h.params, priority=h.priority, cache_salt=h.cache_salt)
+    if h.lora is not None and not sched.lora_slots.fits(h.lora, sched.running):
+        raise ValueError(f"KVHandoff.lora: the running requests' adapters hold every slot ({h.lora.name!r} waits)")
+    seq = Sequence(rid, list(h.prompt_token_ids), h.params, priority=h.priority, cache_salt=h.cache_salt, lora=h.lora)
     seq.token_ids += h.output_token_ids
     seq.num_computed_tokens, seq.num_cached_tokens = h.num_computed, h.num_cached_tokens
     table = kv.pool.allocate(n)

@@ -22,10 +22,12 @@ class LoRASlots:
 
     def admits(self, seq: Sequence, running: list[Sequence]) -> bool:
         """Whether seq may join the running requests without their adapters outnumbering the slots."""
-        if seq.lora is None:
-            return True
+        return seq.lora is None or self.fits(seq.lora, running)
+
+    def fits(self, lora: LoRARequest, running: list[Sequence]) -> bool:
+        """Whether a request with this adapter may run beside `running` (an imported KV handoff's check)."""
         used = self.in_use(running)
-        return seq.lora in used or len(used) < self.max_loras
+        return lora in used or len(used) < self.max_loras
 
     def assign(self, out: SchedulerOutput, requests: dict[str, Sequence], running: list[Sequence]) -> None:
         """Gives each chunk of an adapter's request its slot, queueing the loads the step needs first."""

@@ -4,6 +4,7 @@ or, with engine_core_process=True, in a process of its own (engine/process/core_
 
 import time
 
+import msgspec
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from conveyor.engine.checkpoints.lora import read_adapter
@@ -90,6 +91,15 @@ class LLMEngine:
         read_adapter(lora.path, self.config.hf_config, self.config.max_lora_rank)
         self.loras[lora.name] = lora
 
+    def adopt_lora(self, lora: LoRARequest) -> LoRARequest:
+        """This engine's LoRARequest for an adapter another engine registered (its id is that engine's): the one
+        registered here under the same name and path, else `lora`, checked and registered (add_lora)."""
+        known = self.loras.get(lora.name)
+        if known is not None and known.path == lora.path:
+            return known
+        self.add_lora(lora)
+        return lora
+
     def remove_lora(self, name: str) -> bool:
         """Unregisters the adapter: new requests cannot name it; those running with it finish with it."""
         return self.loras.pop(name, None) is not None
@@ -137,8 +147,11 @@ class LLMEngine:
 
     def import_request(self, request_id: str, handoff: KVHandoff, output_interval: int = 1) -> None:
         """Continues a request another engine prefilled (a prefill-only request's kv_handoff). Its outputs hold
-        the handoff's tokens too, but no output carries only those."""
+        the handoff's tokens too, but no output carries only those. A handoff's adapter runs here under this
+        engine's registration of it (add_lora's checks; ValueError when they fail)."""
         self.validate(handoff.prompt_token_ids, handoff.params)
+        if handoff.lora is not None:
+            handoff = msgspec.structs.replace(handoff, lora=self.adopt_lora(handoff.lora))
         tokens = list(handoff.output_token_ids)
         self.processor.add(
             request_id, None, list(handoff.prompt_token_ids), handoff.params, time.monotonic(), output_interval

@@ -2,6 +2,7 @@
 decode replica; tokens equal to the same request run whole on a (colocated) replica; a refused handoff and a lost
 decode replica end the request with an explicit error, and no KV block stays behind."""
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -26,7 +27,11 @@ ARGS = {
     # are about refusals at the handoff (tests/e2e/test_role_admission_e2e.py: with admission)
     "admission": {"enabled": False},
     "engine": {"max_num_batched_tokens": 32},  # a 100-token prompt prefills in chunks
-    "disaggregation": {"prefill_replicas": 1, "decode_replicas": 1, "decode_engine": {"num_blocks": 12}},
+    "disaggregation": {
+        "prefill_replicas": 1,
+        "decode_replicas": 1,
+        "decode_engine": {"num_blocks": 12, "max_lora_rank": 8},
+    },
 }
 LONG = " ".join(f"word{i}" for i in range(60))  # > 32 tokens
 
@@ -96,18 +101,55 @@ def test_stream_is_one_stream(app: App) -> None:
     assert wait_for(pools_whole)
 
 
-def test_a_lora_request_runs_whole_with_its_adapter(app: App, adapter: str) -> None:
-    """A handoff carries no adapter: a LoRA request runs whole on a prefill replica, with the adapter."""
-    before = handle("Prefill").handoff_stats.remote().result()["handoffs"]
-    out = client(app).completions.create(
-        model="x", prompt=LONG, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+def test_a_lora_chat_is_handed_off_with_its_adapter(app: App, adapter: str, tmp_path: Path) -> None:
+    """The handoff carries the adapter: the decode replica loads it from the same path and continues the chat with
+    it, to the tokens of the engine run whole with the adapter; an adapter loaded at run time (POST
+    /v1/load_lora_adapter, checked on a prefill replica only) is served by the decode replica as well."""
+    chat = [{"role": "user", "content": "Tell me about the river."}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    y = str(
+        write_random_adapter(
+            tmp_path / "y", AutoConfig.from_pretrained(resolve_model("demo:tiny")), "demo:tiny", rank=8, seed=1
+        )
     )
     llm = LLM("demo:tiny", dtype="float32", max_loras=1, max_lora_rank=8)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want = llm.generate([LONG], params, use_tqdm=False, lora_request=LoRARequest("x", 1, adapter))[0].outputs[0].text
-    assert out.choices[0].text == want != colocated_text(app, LONG, 16)
-    assert handle("Prefill").handoff_stats.remote().result()["handoffs"] == before
+    want = {
+        name: llm.chat(chat, params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+        for name, lora in (("demo:tiny", None), ("x", LoRARequest("x", 1, adapter)), ("y", LoRARequest("y", 2, y)))
+    }
+    assert len(set(want.values())) == 3
+    assert app.http.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": y}).status_code == 200
+    for name in ("x", "y", "demo:tiny"):
+        before = {role: handle(role).handoff_stats.remote().result() for role in ("Prefill", "Decode")}
+        out = client(app).chat.completions.create(
+            model=name, messages=chat, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].message.content == want[name] and out.model == name
+        after = {role: handle(role).handoff_stats.remote().result() for role in ("Prefill", "Decode")}
+        assert after["Prefill"]["handoffs"] == before["Prefill"]["handoffs"] + 1
+        assert after["Decode"]["imports"] == before["Decode"]["imports"] + 1 and after["Decode"]["refused"] == 0
+        engine = after["Decode"]["engine"]
+        assert engine["num_added"] == before["Decode"]["engine"]["num_added"] + 1
+        if name != "demo:tiny":
+            assert engine["lora_adapters"] == [name]  # max_loras 1: the decode replica's one slot holds it now
     assert wait_for(pools_whole)
+    assert app.http.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
+
+
+def test_an_adapter_the_decode_replica_cannot_load_is_an_explicit_error(app: App, tmp_path: Path) -> None:
+    """A rank-16 adapter: the prefill replicas take it (max_lora_rank 16), the decode replica refuses the handoff
+    (its max_lora_rank is 8) rather than continue on the base model; with no other decode replica the request ends
+    with a 503 naming the handoff and the rank, and both pools are whole."""
+    hf = AutoConfig.from_pretrained(resolve_model("demo:tiny"))
+    big = str(write_random_adapter(tmp_path / "big", hf, "demo:tiny", rank=16, seed=2))
+    assert app.http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": big}).status_code == 200
+    refused = handle("Decode").handoff_stats.remote().result()["refused"]
+    body = {"model": "big", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    r = app.http.post("/v1/completions", json=body)
+    assert r.status_code == 503 and "handoff" in r.text and "max_lora_rank" in r.text, r.text
+    assert handle("Decode").handoff_stats.remote().result()["refused"] == refused + 1
+    assert wait_for(pools_whole)
+    assert app.http.post("/v1/unload_lora_adapter", json={"lora_name": "big"}).status_code == 200
 
 
 def test_first_token_that_finishes_stays_on_the_prefill_replica(app: App) -> None:

@@ -65,11 +65,12 @@ def test_good_disaggregation() -> None:
 
 
 def test_only_single_sequence_requests_are_handed_off() -> None:
+    """LoRA requests too: the handoff carries the adapter (tests/engine/test_kv_handoff_lora.py)."""
     assert can_hand_off(GenerateRequest(prompts=[[1, 2]]))
+    assert can_hand_off(GenerateRequest(prompts=[[1]], lora=LoRAModule(name="a", path="/adapters/a")))
     assert not can_hand_off(GenerateRequest(prompts=[[1, 2]], n=2))
     assert not can_hand_off(GenerateRequest(prompts=[[1], [2]]))
     assert not can_hand_off(GenerateRequest(prompts=[[1]], sampling=SamplingParams(structured={"json": {}})))
-    assert not can_hand_off(GenerateRequest(prompts=[[1]], lora=LoRAModule(name="a", path="/adapters/a")))
 
 
 def test_each_role_hosts_its_own_admission_actor() -> None:

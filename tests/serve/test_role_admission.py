@@ -107,6 +107,30 @@ def test_both_roles_with_room_admit_and_reserve_on_each() -> None:
     asyncio.run(scenario())
 
 
+def test_a_lora_request_reserves_on_a_decode_replica_holding_its_adapter() -> None:
+    """The decode ask carries the adapter as the prefill ask does: among decode replicas with room, one reporting it
+    resident ranks first (and holds the reservation) over one with more room; the decode routing hint names it."""
+    clock = [0.0]
+    p_actor, d_actor, prefill, decode = roles(clock)
+
+    async def scenario() -> None:
+        p_actor.report(stats("p", total=40, free=40))
+        d_actor.report(stats("d1", total=40, free=40))
+        d_actor.report({**stats("d2", total=40, free=36), "lora_adapters": ["x"]})
+        await prefill.refresh()
+        await decode.refresh()
+        plain = await decide_roles(prefill, decode, PREFILL, DECODE)
+        assert plain.decode.replicas[0] == "d1"
+        decode.release(plain.decode)
+        prefill.release(plain.prefill)
+        r = await decide_roles(prefill, decode, Ask(2, output_tokens=1, lora="x"), Ask(2, output_tokens=64, lora="x"))
+        assert r.refusal is None and r.decode.replicas[0] == r.decode.reservation.replica_id == "d2"
+        hint = decode_hint(decode, r.decode, 2, (), "x")
+        assert hint.replicas[0] == "d2" and hint.lora == "x"
+
+    asyncio.run(scenario())
+
+
 def test_a_request_that_cannot_be_handed_off_ignores_the_decode_role() -> None:
     clock = [0.0]
     p_actor, d_actor, prefill, decode = roles(clock)
