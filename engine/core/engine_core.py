@@ -28,6 +28,7 @@ from conveyor.engine.core.scheduler import make_scheduler
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
 from conveyor.engine.core.step_trace import StepTrace
 from conveyor.engine.execution.executor import make_executor
+from conveyor.engine.execution.kv_shares import KVGeometry
 from conveyor.engine.model.llama import head_dim_of
 from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.stats import EngineStats
@@ -45,6 +46,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.executor = make_executor(config)
+        self.kv_geometry: KVGeometry | None = None  # kv_handoff.geometry
         if self.executor.num_blocks < 1:
             raise ValueError("EngineConfig.kv_cache_memory leaves no room for a single KV block")
         config.fit_max_model_len(self.executor.num_blocks)

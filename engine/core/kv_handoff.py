@@ -7,13 +7,14 @@ its own slots) and keys the imported blocks with that adapter's prefix keys."""
 
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import torch
 
 from conveyor.engine.core.sequence import Sequence, SequenceStatus
+from conveyor.engine.execution.kv_shares import KVGeometry, adopt, gather, generator_state, kv_geometry, read_share
 from conveyor.engine.lora_request import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.step import NewRequestData
@@ -41,6 +42,7 @@ class KVHandoff(msgspec.Struct, array_like=True, omit_defaults=True):
     generator_state: bytes | None = None
     num_cached_tokens: int = 0
     lora: LoRARequest | None = None
+    kv_layout: str = ""  # within a block (engine/execution/kv_shares.py); the importing engine's must be the same
 
     @property
     def num_computed(self) -> int:
@@ -61,21 +63,21 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def _runner(core: "EngineCore") -> Any:
-    runner = getattr(core.executor, "runner", None)
-    if runner is None:
-        raise ValueError("disaggregation needs tensor_parallel_size 1 (the KV lives in this process's runner)")
-    return runner
+def geometry(core: "EngineCore") -> KVGeometry:
+    """The engine's KV geometry, asked of its runner (rank 0) once."""
+    if core.kv_geometry is None:
+        core.kv_geometry = core.executor.collective_rpc(kv_geometry)[0]
+    return core.kv_geometry
 
 
 def export_handoff(core: "EngineCore", seq: Sequence) -> KVHandoff:
-    """The request's computed KV (its table's first blocks) and state, read before its blocks are freed."""
-    runner, kv = _runner(core), core.block_manager
+    """The request's computed KV (its table's first blocks, every rank's heads) and state, read before its blocks
+    are freed."""
+    kv, g = core.block_manager, geometry(core)
     n = kv.blocks_for(seq.num_computed_tokens)
     ids = [b.block_id for b in kv.tables[seq.request_id][:n]]
-    blocks = runner.kv_cache[:, :, ids]
-    state = runner.requests.get(seq.request_id)
-    gen = state.generator.get_state() if state is not None and state.generator is not None else None
+    blocks = gather(core.executor.collective_rpc(read_share, ids), g.layout)
+    gen = core.executor.collective_rpc(generator_state, seq.request_id)[0]
     return KVHandoff(
         seq.request_id,
         list(seq.prompt_token_ids),
@@ -89,22 +91,26 @@ def export_handoff(core: "EngineCore", seq: Sequence) -> KVHandoff:
         tensor_bytes(gen) if gen is not None else None,
         seq.num_cached_tokens,
         seq.lora,
+        g.layout,
     )
 
 
 def check_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = None) -> int:
     """The blocks the handoff's KV needs here; ValueError when it does not fit this engine's layout, or is more
     than its whole pool."""
-    runner, kv, sched = _runner(core), core.block_manager, core.scheduler
+    kv, sched, g = core.block_manager, core.scheduler, geometry(core)
     rid = request_id or h.request_id
     if rid in sched.requests or rid in core.compiling or any(rid == w[0] for w in core.importing):
         raise ValueError(f"request_id {rid!r} is already running")
     if not h.output_token_ids:
         raise ValueError("KVHandoff.output_token_ids: a handoff carries at least the first token")
-    want = [2, runner.kv_cache.shape[1], kv.blocks_for(h.num_computed), *runner.kv_cache.shape[3:]]
-    dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
-    if h.shape != want or h.dtype != dtype:
-        raise ValueError(f"KVHandoff.shape: {h.shape} {h.dtype} does not fit this engine's KV cache {want} {dtype}")
+    want = g.shape(kv.blocks_for(h.num_computed))
+    if h.shape != want or h.dtype != g.dtype:
+        raise ValueError(f"KVHandoff.shape: {h.shape} {h.dtype} does not fit this engine's KV cache {want} {g.dtype}")
+    if h.kv_layout != g.layout:
+        raise ValueError(
+            f"KVHandoff.kv_layout: {h.kv_layout!r} blocks, this engine's attention backend reads {g.layout!r}"
+        )
     if h.params.structured is not None:
         raise ValueError("KVHandoff.params: structured outputs are not handed off")
     if want[2] > kv.num_blocks:
@@ -127,7 +133,7 @@ def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = No
     request from its next decode step (with the handoff's adapter, which the scheduler gives a slot as it does
     any running request's). ValueError (nothing changed) when the KV does not fit this engine's layout or its
     free blocks, or its adapter no slot."""
-    runner, kv, sched = _runner(core), core.block_manager, core.scheduler
+    kv, sched = core.block_manager, core.scheduler
     rid = request_id or h.request_id
     n = check_handoff(core, h, rid)
     if n > kv.num_free_blocks:
@@ -140,13 +146,13 @@ def import_handoff(core: "EngineCore", h: KVHandoff, request_id: str | None = No
     table = kv.pool.allocate(n)
     kv.tables[rid] = table
     ids = [b.block_id for b in table]
-    runner.kv_cache[:, :, torch.tensor(ids, device=runner.device)] = h.kv_tensor().to(runner.device)
     if kv.caching:
         kv._register(seq, table, h.num_computed // kv.block_size)
     p = h.params
     stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(sched.eos_token_ids))
     gen = torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8) if h.generator_state else None
-    runner.adopt_request(NewRequestData(rid, seq.prompt_token_ids, p, stop_ids), ids, h.output_token_ids, gen)
+    new = NewRequestData(rid, seq.prompt_token_ids, p, stop_ids)
+    core.executor.collective_rpc(adopt, new, ids, h.output_token_ids, gen, h.kv_tensor(), h.kv_layout)
     seq.seen_by_runner = True
     seq.status = SequenceStatus.RUNNING
     seq.enqueued_step = sched.num_steps

@@ -1,13 +1,16 @@
 """Runs a SchedulerOutput on the model. TP=1 runs in this process; TP>1 drives Ray workers."""
 
 import importlib
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from conveyor.engine.resolved_config import ResolvedConfig
 from conveyor.engine.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from conveyor.engine.execution.model_runner import ModelRunner
+
+T = TypeVar("T")
 
 
 def runner_class(config: ResolvedConfig) -> type["ModelRunner"]:
@@ -41,6 +44,10 @@ class Executor(Protocol):
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def collective_rpc(self, fn: Callable[..., T], *args: object) -> list[T]:
+        """fn(model_runner, *args) on every rank, between steps; each rank's result in rank order."""
+        ...
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -55,6 +62,9 @@ class LocalExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
+
+    def collective_rpc(self, fn: Callable[..., T], *args: object) -> list[T]:
+        return [fn(self.runner, *args)]
 
     def check_health(self) -> None:
         pass

@@ -117,10 +117,11 @@ def test_import_that_could_never_fit_is_refused_and_changes_nothing(oracle) -> N
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prefill.engine.add_request("p", prompts[3], params, prefill_only=True)
     h = run_all(prefill.engine)["p"].kv_handoff
-    assert h.shape[2] == 7
+    assert h.shape[2] == 7 and prefill.engine.local_core.config.attention_backend == "cpu"
     for decode, field in (
         (engine(block_size=8), "shape"),
         (engine(num_blocks=6, max_model_len=256), "the cache holds 6"),
+        (engine(attention_backend="torch"), "kv_layout: 'head_major' blocks"),  # blocks this backend cannot read
     ):
         with pytest.raises(ValueError, match=field):
             decode.engine.import_request("d", h)

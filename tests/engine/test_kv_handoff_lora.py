@@ -156,14 +156,20 @@ def test_an_adapter_the_decode_engine_cannot_load_refuses_the_import(adapters, t
     assert_no_leak(decode)
 
 
-def test_a_handoff_from_before_the_adapter_field_still_decodes(adapters) -> None:
-    """The adapter is the handoff's last field, with a default: an encoding without it (an engine from before it)
-    decodes to the same base-model handoff."""
+def test_a_handoff_from_before_the_adapter_and_layout_fields_decodes_and_is_refused(adapters) -> None:
+    """The adapter and the KV layout are the handoff's last fields, with defaults: an encoding without them (an
+    engine from before them) decodes to the same base-model handoff with no layout, which an import refuses by
+    name (its blocks' layout is unknown), changing nothing."""
     base, lora = prefill(engine(), jobs_of(adapters)[:2])
-    assert base.lora is None and lora.lora == adapters[0]
+    assert base.lora is None and lora.lora == adapters[0] and base.kv_layout
     fields = msgspec.msgpack.decode(msgspec.msgpack.encode(base))
-    assert len(fields) == len(KVHandoff.__struct_fields__) and fields[-1] is None
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(fields[:-1]), type=KVHandoff) == base
+    assert len(fields) == len(KVHandoff.__struct_fields__) and fields[-2] is None
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(fields[:-2]), type=KVHandoff)
+    assert old == msgspec.structs.replace(base, kv_layout="")
+    decode = engine()
+    with pytest.raises(ValueError, match="KVHandoff.kv_layout"):
+        decode.engine.import_request("d", old)
+    assert_no_leak(decode)
 
 
 def test_imported_lora_requests_preempted_and_recomputed_keep_their_adapters(adapters) -> None:

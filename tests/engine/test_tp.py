@@ -13,6 +13,7 @@ import torch
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.execution.model_runner import ModelRunner
 from conveyor.engine.step import NewRequestData, ScheduledChunk
+from tests.engine.test_kv_handoff import disaggregated
 from tests.helpers import assert_no_leak, engine_greedy, prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -152,6 +153,36 @@ def test_tp2_ngram_speculation_matches_plain_tp1(mode: str) -> None:
         assert_no_leak(llm)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "model,prefill_tp,decode_tp,backend",
+    [
+        ("demo:llama-tiny", 2, 1, "cpu"),
+        ("demo:llama-tiny", 1, 2, "torch"),
+        ("demo:llama-tiny-tied", 4, 1, "cpu"),  # four ranks, two KV heads: each held twice
+        ("demo:llama-tiny-tied", 1, 4, "torch"),
+    ],
+)
+def test_kv_handoff_between_tensor_parallel_sizes(model: str, prefill_tp: int, decode_tp: int, backend: str) -> None:
+    """A handoff carries every KV head: gathered from the prefill engine's ranks (each head once where ranks
+    replicate it) and split over the decode engine's, in the attention backend's block layout; greedy tokens equal
+    one colocated TP=1 engine's."""
+    prompts = prompt_ids(model)
+    want, _ = engine_greedy(model, prompts, MAX_TOKENS, attention_backend=backend)
+    options = dict(dtype="float32", attention_backend=backend, check_invariants=True)
+    prefill = LLM(model, tensor_parallel_size=prefill_tp, **options)
+    decode = LLM(model, tensor_parallel_size=decode_tp, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        got, handoffs = disaggregated(prefill, decode, prompts, params, wire=True)
+        assert got == want
+        assert all(h.kv_layout == ("head_major" if backend == "cpu" else "token_major") for h in handoffs)
+        assert_no_leak(prefill)
+        assert_no_leak(decode)
+    finally:
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
 
 
 def test_two_engines_on_one_node() -> None:
