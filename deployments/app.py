@@ -142,9 +142,14 @@ class AppArgs(BaseModel):
 
     def _check_disaggregation(self, d: Disaggregation) -> None:
         self._check_engine_options("disaggregation.decode_engine", d.decode_engine)
-        for name, options in (("engine", self.engine), ("disaggregation.decode_engine", d.decode_engine)):
-            if int(options.get("tensor_parallel_size", 1)) != 1:
-                raise ValueError(f"{name}.tensor_parallel_size: disaggregation hands off KV at tensor_parallel_size 1")
+        prefill = EngineConfig(**{**self.engine, "model": self.model, "revision": self.revision})
+        decode = EngineConfig(**{**self.engine, **d.decode_engine, "model": self.model, "revision": self.revision})
+        for name in ("block_size", "dtype", "attention_backend"):  # what a handoff's KV must share with its importer
+            if getattr(decode, name) != getattr(prefill, name):
+                raise ValueError(
+                    f"disaggregation.decode_engine.{name}: must equal the prefill engine's ({getattr(prefill, name)!r}), "
+                    f"got {getattr(decode, name)!r}: the decode replicas import its KV blocks as they are"
+                )
         if self.autoscaling is not None or self.kv_autoscaling is not None:
             raise ValueError(
                 "disaggregation: sets the replica counts; not with autoscaling or kv_autoscaling (use "
@@ -198,9 +203,10 @@ class AppArgs(BaseModel):
         also switches the cluster's ingress and transport (docs/decisions/12-user-code-on-replica-loop.md)."""
         return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
 
-    def replica_options(self) -> dict[str, Any]:
+    def replica_options(self, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A replica deployment's options; `engine`: options over `self.engine` (a disaggregated role's)."""
         gpu = self.use_gpu()
-        tp = int(self.engine.get("tensor_parallel_size", 1))
+        tp = int({**self.engine, **(engine or {})}.get("tensor_parallel_size", 1))
         head = {"CPU": self.replica_num_cpus, **({"GPU": 1.0} if gpu and tp == 1 else {})}
         worker = {"CPU": self.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}
         threads = str(self.torch_threads or max(1, int(self.replica_num_cpus)))
@@ -278,7 +284,7 @@ def build_app(args: AppArgs) -> Application:
             **role_replicas(d.prefill_replicas, d.prefill_autoscaling, PREFILL_POLICY),
         }
         decode_options = {
-            **options,
+            **args.replica_options(d.decode_engine),
             "name": "LLMDecode",
             **role_replicas(d.decode_replicas, d.decode_autoscaling, KV_POLICY),
         }

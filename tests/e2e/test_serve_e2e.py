@@ -289,6 +289,33 @@ def test_tensor_parallel_replica(server: App, offline: object) -> None:
         serve.delete("tp")
 
 
+@pytest.mark.usefixtures("pool_whole")
+def test_tensor_parallel_prefill_hands_off_to_a_tp1_decode_replica(server: App, offline: object) -> None:
+    """A TP=2 prefill replica's KV (each rank's heads) reaches a TP=1 decode replica whole: the tokens are the
+    offline engine's."""
+    from conveyor.deployments.app import AppArgs, build_app
+    from conveyor.engine import SamplingParams
+
+    args = AppArgs(
+        engine={**ENGINE, "tensor_parallel_size": 2},
+        disaggregation={"decode_engine": {"tensor_parallel_size": 1}},
+        admission={"enabled": False},
+        replica_num_cpus=0.1,
+        worker_num_cpus=0.3,
+        router_num_cpus=0.1,
+    )
+    serve.run(build_app(args), name="tpd", route_prefix="/tpd")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        r = server.http.post("/tpd/v1/completions", json=body)
+        want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
+        decode = serve.get_deployment_handle("LLMDecode", app_name="tpd").handoff_stats.remote().result()
+        assert decode["imports"] == 1 and decode["refused"] == 0
+    finally:
+        serve.delete("tpd")
+
+
 def test_engine_core_crash_fails_the_stream_and_the_health_check(server: App) -> None:
     """Last in the module: the replica is replaced afterwards."""
     import os

@@ -16,7 +16,9 @@ from conveyor.engine import SamplingParams
         ({"transfer": "carrier-pigeon"}, {}, "transfer"),
         ({"decode_engine": {"no_such_option": 1}}, {}, "disaggregation.decode_engine.no_such_option"),
         ({"decode_engine": {"block_size": 0}}, {}, "disaggregation.decode_engine.block_size"),
-        ({"decode_engine": {"tensor_parallel_size": 2}}, {}, "tensor_parallel_size"),
+        ({"decode_engine": {"tensor_parallel_size": 0}}, {}, "disaggregation.decode_engine.tensor_parallel_size"),
+        ({"decode_engine": {"block_size": 32}}, {}, "disaggregation.decode_engine.block_size: must equal"),
+        ({"decode_engine": {"attention_backend": "torch"}}, {}, "disaggregation.decode_engine.attention_backend"),
         ({"whatever": 1}, {}, "whatever"),
         ({}, {"kv_autoscaling": {"min_replicas": 1, "max_replicas": 2}}, "decode_autoscaling"),
         (
@@ -93,3 +95,14 @@ def test_each_role_hosts_its_own_admission_actor() -> None:
     for role in (off._bound_deployment.init_args[0], off._bound_deployment.init_kwargs["decode"]):
         assert not role._bound_deployment._deployment_config.deployment_actors
         assert role._bound_deployment.init_kwargs["stats_push_s"] == 0.0
+
+
+def test_each_role_reserves_its_own_tensor_parallel_workers() -> None:
+    """A TP=2 prefill role and a TP=1 decode role: each replica's placement group holds its own engine's ranks."""
+    args = AppArgs(engine={"tensor_parallel_size": 2}, disaggregation={"decode_engine": {"tensor_parallel_size": 1}})
+    app = build_app(args)
+    prefill = app._bound_deployment.init_args[0]._bound_deployment
+    decode = app._bound_deployment.init_kwargs["decode"]._bound_deployment
+    assert len(prefill._replica_config.placement_group_bundles) == 1 + 2  # the replica, then one bundle per rank
+    assert len(decode._replica_config.placement_group_bundles) == 1
+    assert decode.init_kwargs["engine_args"]["tensor_parallel_size"] == 1
