@@ -19,20 +19,27 @@ template <typename T, int MR>
 constexpr int gemm_tile_cols = gemm_tiles<T>.narrow_from <= MR && MR <= gemm_tiles<T>.narrow_to ? 1 : GEMM_COLS;
 
 // Brings the next block (both panels) into L2 while a block is computed, spread over the block's row groups:
-// group g of G prefetches lines [g L / G, (g + 1) L / G) of the L 64-byte lines of each panel, one line per
-// G steps; a group takes GEMM_COLS steps per k (bfloat16: per k pair), a tile of c panels c of them.
+// group g of G, stepped once per k (bfloat16: per k pair) by its first tile, prefetches lines
+// [g L / G, (g + 1) L / G) of the L 64-byte lines of each panel, so the block's first group does not stall
+// on memory alone.
 struct Ahead {
   const char* next;
   int64_t panel_bytes, line, rem, groups;
   Ahead(const void* next_block, int64_t panel_bytes, int64_t lines, int64_t g, int64_t groups)
       : next(static_cast<const char*>(next_block)), panel_bytes(panel_bytes), line(g * lines / groups),
-        rem(g * lines % groups * GEMM_COLS), groups(groups * GEMM_COLS) {}
+        rem(g * lines % groups), groups(groups) {}
+  inline void step() {
+    if (++rem < groups) return;
+    rem = 0;
+    fetch();
+  }
   inline void step(int64_t n) {
-    if ((rem += n) < groups) return;
-    for (; rem >= groups; rem -= groups, ++line) {
-      prefetch_l2(next + line * 64);
-      prefetch_l2(next + panel_bytes + line * 64);
-    }
+    for (rem += n; rem >= groups; rem -= groups) fetch();
+  }
+  inline void fetch() {
+    prefetch_l2(next + line * 64);
+    prefetch_l2(next + panel_bytes + line * 64);
+    ++line;
   }
 };
 
@@ -40,15 +47,15 @@ struct Ahead {
 // K = 256 had 3x torch's error against float64.
 constexpr int64_t GEMM_KC = 32;
 
-// NC panels (K * PANEL apart) of the block at wp.
-template <int MR, int NC>
+// NC panels (K * PANEL apart) of the block at wp; Fetch: steps ahead.
+template <int MR, int NC, bool Fetch>
 inline void gemm_tile(const float* x, const float*, int64_t K, const float* wp, Ahead& ahead,
                       f32x16 (&acc)[MR][NC]) {
   Ahead a = ahead;  // a local copy stays in registers
   f32x16 part[MR][NC];
   for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
     const int64_t end = std::min(K, k0 + GEMM_KC);
-    a.step((end - k0) * NC);
+    if constexpr (Fetch) a.step(end - k0);
     for (int m = 0; m < MR; ++m)
       for (int c = 0; c < NC; ++c) part[m][c] = zero();
     for (int64_t k = k0; k < end; ++k) {
@@ -78,44 +85,52 @@ inline void gemm_pair(const bf16* x, const float* xf, int64_t K, int64_t p, cons
   }
 }
 
-// NC panels (panel elements apart) of the block at wp.
-template <int MR, int NC>
+// NC panels (panel elements apart) of the block at wp; Fetch: steps ahead.
+template <int MR, int NC, bool Fetch>
 inline void gemm_tile(const bf16* x, const float* xf, int64_t K, const bf16* wp, Ahead& ahead,
                       f32x16 (&acc)[MR][NC]) {
   const int64_t pairs = K / 2, panel = (K + 1) / 2 * 2 * PANEL;
-  Ahead a = ahead;  // a local copy stays in registers
   for (int64_t p = 0; p < pairs; ++p) {
-    a.step(NC);
+    if constexpr (Fetch) ahead.step();
     gemm_pair<MR, NC, true>(x, xf, K, p, wp + p * 2 * PANEL, panel, acc);
   }
   if (K % 2) {
-    a.step(NC);
+    if constexpr (Fetch) ahead.step();
     gemm_pair<MR, NC, false>(x, xf, K, pairs, wp + pairs * 2 * PANEL, panel, acc);
   }
-  ahead = a;
 }
 
+// Panels [c0, c0 + NC) of the block of outputs [n0, n0 + PANEL * GEMM_COLS).
+template <typename T, int MR, int NC, bool Fetch>
+void gemm_panels(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
+                 int64_t n0, int c0) {
+  const int64_t panel = (std::is_same_v<T, bf16> ? (K + 1) / 2 * 2 : K) * PANEL;
+  f32x16 acc[MR][NC];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = zero();
+  gemm_tile<MR, NC, Fetch>(x, xf, K, wp + c0 * panel, ahead, acc);
+  for (int c = 0; c < NC; ++c) {
+    const int64_t n = n0 + (c0 + c) * PANEL;
+    if (n >= N) break;
+    const int64_t cols = std::min<int64_t>(PANEL, N - n);
+    const f32x16 b = bias ? load_n(bias + n, cols) : zero();
+    for (int m = 0; m < MR; ++m) {
+      alignas(64) T out[PANEL];
+      store16(out, acc[m][c] + b);
+      std::copy(out, out + cols, y + m * N + n);
+    }
+  }
+}
+
+// A tile of one panel takes the block's panels in turn, the first stepping ahead.
 template <typename T, int MR>
 void gemm_block(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
                 int64_t n0) {
   constexpr int NC = gemm_tile_cols<T, MR>;
-  const int64_t panel = (std::is_same_v<T, bf16> ? (K + 1) / 2 * 2 : K) * PANEL;
-  f32x16 acc[MR][NC];
-  for (int c0 = 0; c0 < GEMM_COLS && n0 + c0 * PANEL < N; c0 += NC) {
-    for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < NC; ++c) acc[m][c] = zero();
-    gemm_tile<MR, NC>(x, xf, K, wp + c0 * panel, ahead, acc);
-    for (int c = 0; c < NC; ++c) {
-      const int64_t n = n0 + (c0 + c) * PANEL;
-      if (n >= N) break;
-      const int64_t cols = std::min<int64_t>(PANEL, N - n);
-      const f32x16 b = bias ? load_n(bias + n, cols) : zero();
-      for (int m = 0; m < MR; ++m) {
-        alignas(64) T out[PANEL];
-        store16(out, acc[m][c] + b);
-        std::copy(out, out + cols, y + m * N + n);
-      }
-    }
+  gemm_panels<T, MR, NC, true>(x, xf, K, wp, ahead, bias, y, N, n0, 0);
+  if constexpr (NC == 1) {
+    static_assert(GEMM_COLS == 2);
+    if (n0 + PANEL < N) gemm_panels<T, MR, NC, false>(x, xf, K, wp, ahead, bias, y, N, n0, 1);
   }
 }
 
