@@ -34,13 +34,14 @@ ATTENTION = (32, 512, 9, 3, 64, 16)
 
 
 def seconds(fns: list[Callable[[], object]], rounds: int, round_s: float = 0.02) -> list[float]:
-    """The fastest single call of each fn over `rounds` rounds of ~round_s each, the fns in turn each round,
-    after a warm-up call."""
+    """The fastest single call of each fn over `rounds` rounds of ~round_s each, the fns in turn each round
+    (in reverse order every other round: the first after torch's reference finds the caches it evicted), after
+    a warm-up call."""
     best = [float("inf")] * len(fns)
     for fn in fns:
         fn()
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
+    for r in range(rounds):
+        for i, fn in list(enumerate(fns))[:: -1 if r % 2 else 1]:
             end = time.perf_counter() + round_s
             while (start := time.perf_counter()) < end:
                 fn()
