@@ -102,8 +102,8 @@ inline void gemm_tile(const bf16* x, const float* xf, int64_t K, const bf16* wp,
 
 // Panels [c0, c0 + NC) of the block of outputs [n0, n0 + PANEL * GEMM_COLS).
 template <typename T, int MR, int NC, bool Fetch>
-void gemm_panels(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
-                 int64_t n0, int c0) {
+void gemm_pass(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
+               int64_t n0, int c0) {
   const int64_t panel = (std::is_same_v<T, bf16> ? (K + 1) / 2 * 2 : K) * PANEL;
   f32x16 acc[MR][NC];
   for (int m = 0; m < MR; ++m)
@@ -127,10 +127,10 @@ template <typename T, int MR>
 void gemm_block(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
                 int64_t n0) {
   constexpr int NC = gemm_tile_cols<T, MR>;
-  gemm_panels<T, MR, NC, true>(x, xf, K, wp, ahead, bias, y, N, n0, 0);
+  gemm_pass<T, MR, NC, true>(x, xf, K, wp, ahead, bias, y, N, n0, 0);
   if constexpr (NC == 1) {
     static_assert(GEMM_COLS == 2);
-    if (n0 + PANEL < N) gemm_panels<T, MR, NC, false>(x, xf, K, wp, ahead, bias, y, N, n0, 1);
+    if (n0 + PANEL < N) gemm_pass<T, MR, NC, false>(x, xf, K, wp, ahead, bias, y, N, n0, 1);
   }
 }
 
