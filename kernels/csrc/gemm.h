@@ -9,14 +9,19 @@
 namespace {
 
 constexpr int64_t PANEL = 16;
-constexpr int GEMM_COLS = 2;  // panels per block: MR x 2 accumulators + 2 weight vectors + a broadcast
-// Rows per tile, per ISA (vec.h's kTiles). float32 also keeps a chunk's partial sums (below), another MR x 2.
-template <typename T> constexpr int gemm_max_mr = kTiles.gemm_rows_bf16;
-template <> constexpr int gemm_max_mr<float> = kTiles.gemm_rows_f32;
+constexpr int GEMM_COLS = 2;  // panels per block (the packing and the threads' unit of work)
+// Rows per tile, per ISA (vec.h's kTiles), and panels per tile: a tile holds MR x cols accumulators, the
+// cols weight vectors of one k and a broadcast. float32 also keeps a chunk's partial sums (below).
+template <typename T> constexpr GemmTiles gemm_tiles = kTiles.gemm_bf16;
+template <> constexpr GemmTiles gemm_tiles<float> = kTiles.gemm_f32;
+template <typename T> constexpr int gemm_max_mr = gemm_tiles<T>.rows;
+template <typename T, int MR>
+constexpr int gemm_tile_cols = gemm_tiles<T>.narrow_from <= MR && MR <= gemm_tiles<T>.narrow_to ? 1 : GEMM_COLS;
 
 // Brings the next block (both panels) into L2 while a block is computed, spread over the block's row groups:
-// group g of G, stepped once per k (bfloat16: per k pair), prefetches lines [g L / G, (g + 1) L / G) of the L
-// 64-byte lines of each panel, so the block's first group does not stall on memory alone.
+// group g of G, stepped once per k (bfloat16: per k pair) by its first tile, prefetches lines
+// [g L / G, (g + 1) L / G) of the L 64-byte lines of each panel, so the block's first group does not stall
+// on memory alone.
 struct Ahead {
   const char* next;
   int64_t panel_bytes, line, rem, groups;
@@ -26,6 +31,12 @@ struct Ahead {
   inline void step() {
     if (++rem < groups) return;
     rem = 0;
+    fetch();
+  }
+  inline void step(int64_t n) {
+    for (rem += n; rem >= groups; rem -= groups) fetch();
+  }
+  inline void fetch() {
     prefetch_l2(next + line * 64);
     prefetch_l2(next + panel_bytes + line * 64);
     ++line;
@@ -36,64 +47,70 @@ struct Ahead {
 // K = 256 had 3x torch's error against float64.
 constexpr int64_t GEMM_KC = 32;
 
-template <int MR>
+// NC panels (K * PANEL apart) of the block at wp; Fetch: steps ahead.
+template <int MR, int NC, bool Fetch>
 inline void gemm_tile(const float* x, const float*, int64_t K, const float* wp, Ahead& ahead,
-                      f32x16 (&acc)[MR][GEMM_COLS]) {
-  f32x16 part[MR][GEMM_COLS];
+                      f32x16 (&acc)[MR][NC]) {
+  Ahead a = ahead;  // a local copy stays in registers
+  f32x16 part[MR][NC];
   for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+    const int64_t end = std::min(K, k0 + GEMM_KC);
+    if constexpr (Fetch) a.step(end - k0);
     for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < GEMM_COLS; ++c) part[m][c] = zero();
-    for (int64_t k = k0, end = std::min(K, k0 + GEMM_KC); k < end; ++k) {
-      const float* wk = wp + k * PANEL;
-      ahead.step();
-      const f32x16 w0 = load16(wk), w1 = load16(wk + K * PANEL);
+      for (int c = 0; c < NC; ++c) part[m][c] = zero();
+    for (int64_t k = k0; k < end; ++k) {
+      const f32x16 w0 = load16(wp + k * PANEL), w1 = NC > 1 ? load16(wp + k * PANEL + K * PANEL) : w0;
       for (int m = 0; m < MR; ++m) {
         const f32x16 xv = set1(x[m * K + k]);
         part[m][0] = fma(xv, w0, part[m][0]);
-        part[m][1] = fma(xv, w1, part[m][1]);
+        if constexpr (NC > 1) part[m][NC - 1] = fma(xv, w1, part[m][NC - 1]);
       }
     }
     for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = acc[m][c] + part[m][c];
+      for (int c = 0; c < NC; ++c) acc[m][c] = acc[m][c] + part[m][c];
   }
+  ahead = a;
 }
 
 // Pair p of every row: (x[2p], x[2p + 1]), or (x[K - 1], 0) where Whole is false (the last pair of an odd K).
 // xf: x in float32 where !kNativePairDot.
-template <int MR, bool Whole>
+template <int MR, int NC, bool Whole>
 inline void gemm_pair(const bf16* x, const float* xf, int64_t K, int64_t p, const bf16* wk, int64_t panel,
-                      f32x16 (&acc)[MR][GEMM_COLS]) {
-  const bf16x32 w0 = load_pairs(wk), w1 = load_pairs(wk + panel);
+                      f32x16 (&acc)[MR][NC]) {
+  const bf16x32 w0 = load_pairs(wk), w1 = NC > 1 ? load_pairs(wk + panel) : w0;
   for (int m = 0; m < MR; ++m) {
     const PairX xv = pair_x(x + m * K + 2 * p, xf + m * K + 2 * p, Whole);
     acc[m][0] = dot_pairs(acc[m][0], xv, w0);
-    acc[m][1] = dot_pairs(acc[m][1], xv, w1);
+    if constexpr (NC > 1) acc[m][NC - 1] = dot_pairs(acc[m][NC - 1], xv, w1);
   }
 }
 
-template <int MR>
+// NC panels (panel elements apart) of the block at wp; Fetch: steps ahead.
+template <int MR, int NC, bool Fetch>
 inline void gemm_tile(const bf16* x, const float* xf, int64_t K, const bf16* wp, Ahead& ahead,
-                      f32x16 (&acc)[MR][GEMM_COLS]) {
+                      f32x16 (&acc)[MR][NC]) {
   const int64_t pairs = K / 2, panel = (K + 1) / 2 * 2 * PANEL;
   for (int64_t p = 0; p < pairs; ++p) {
-    ahead.step();
-    gemm_pair<MR, true>(x, xf, K, p, wp + p * 2 * PANEL, panel, acc);
+    if constexpr (Fetch) ahead.step();
+    gemm_pair<MR, NC, true>(x, xf, K, p, wp + p * 2 * PANEL, panel, acc);
   }
   if (K % 2) {
-    ahead.step();
-    gemm_pair<MR, false>(x, xf, K, pairs, wp + pairs * 2 * PANEL, panel, acc);
+    if constexpr (Fetch) ahead.step();
+    gemm_pair<MR, NC, false>(x, xf, K, pairs, wp + pairs * 2 * PANEL, panel, acc);
   }
 }
 
-template <typename T, int MR>
-void gemm_block(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
-                int64_t n0) {
-  f32x16 acc[MR][GEMM_COLS];
+// Panels [c0, c0 + NC) of the block of outputs [n0, n0 + PANEL * GEMM_COLS).
+template <typename T, int MR, int NC, bool Fetch>
+void gemm_pass(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
+               int64_t n0, int c0) {
+  const int64_t panel = (std::is_same_v<T, bf16> ? (K + 1) / 2 * 2 : K) * PANEL;
+  f32x16 acc[MR][NC];
   for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < GEMM_COLS; ++c) acc[m][c] = zero();
-  gemm_tile<MR>(x, xf, K, wp, ahead, acc);
-  for (int c = 0; c < GEMM_COLS; ++c) {
-    const int64_t n = n0 + c * PANEL;
+    for (int c = 0; c < NC; ++c) acc[m][c] = zero();
+  gemm_tile<MR, NC, Fetch>(x, xf, K, wp + c0 * panel, ahead, acc);
+  for (int c = 0; c < NC; ++c) {
+    const int64_t n = n0 + (c0 + c) * PANEL;
     if (n >= N) break;
     const int64_t cols = std::min<int64_t>(PANEL, N - n);
     const f32x16 b = bias ? load_n(bias + n, cols) : zero();
@@ -102,6 +119,18 @@ void gemm_block(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahea
       store16(out, acc[m][c] + b);
       std::copy(out, out + cols, y + m * N + n);
     }
+  }
+}
+
+// A tile of one panel takes the block's panels in turn, the first stepping ahead.
+template <typename T, int MR>
+void gemm_block(const T* x, const float* xf, int64_t K, const T* wp, Ahead& ahead, const T* bias, T* y, int64_t N,
+                int64_t n0) {
+  constexpr int NC = gemm_tile_cols<T, MR>;
+  gemm_pass<T, MR, NC, true>(x, xf, K, wp, ahead, bias, y, N, n0, 0);
+  if constexpr (NC == 1) {
+    static_assert(GEMM_COLS == 2);
+    if (n0 + PANEL < N) gemm_pass<T, MR, NC, false>(x, xf, K, wp, ahead, bias, y, N, n0, 1);
   }
 }
 

@@ -23,12 +23,16 @@ struct WorkItem {
 constexpr int64_t kTileChunks = 8;
 constexpr int64_t kTileLanes = 16 * kTileChunks;
 constexpr int64_t kGroupRows = 4;
-constexpr int kScoreRows = kTiles.score_rows, kScoreChunks = kTiles.score_chunks;
+template <typename T> constexpr int kScoreRows = kTiles.score_rows_bf16;
+template <> constexpr int kScoreRows<float> = kTiles.score_rows_f32;
+template <typename T> constexpr int kScoreChunks = kTiles.score_chunks_bf16;
+template <> constexpr int kScoreChunks<float> = kTiles.score_chunks_f32;
 template <typename T> constexpr int kValueRows = kTiles.value_rows_bf16;
 template <> constexpr int kValueRows<float> = kTiles.value_rows_f32;
 template <typename T> constexpr int kValueVecs = kTiles.value_vecs_bf16;
 template <> constexpr int kValueVecs<float> = kTiles.value_vecs_f32;
-static_assert(kScoreRows <= kGroupRows && kValueRows<float> <= kGroupRows && kValueRows<bf16> <= kGroupRows,
+static_assert(kScoreRows<float> <= kGroupRows && kScoreRows<bf16> <= kGroupRows && kValueRows<float> <= kGroupRows &&
+                  kValueRows<bf16> <= kGroupRows,
               "sub-tiles of a row group");
 
 // Up to 16 consecutive keys of one block: dim i of key j at k[i * bs + j], its value row at v + j * d.
@@ -177,10 +181,10 @@ void attention_item(const WorkItem& w, const T* q, T* out, const T* kc, const T*
       const int64_t nr = std::min<int64_t>(kGroupRows, rows - r), group_end = pos0 + (r + nr - 1) / g + 1;
       int64_t ncg = 0;
       while (ncg < nc && ch[ncg].key0 < group_end) ++ncg;
-      for (int64_t i = 0; i < nr; i += kScoreRows)
-        for (int64_t x = 0; x < ncg; x += kScoreChunks)
-          upto<kScoreRows>(nr - i, [&](auto NR) {
-            upto<kScoreChunks>(ncg - x, [&](auto NC) {
+      for (int64_t i = 0; i < nr; i += kScoreRows<T>)
+        for (int64_t x = 0; x < ncg; x += kScoreChunks<T>)
+          upto<kScoreRows<T>>(nr - i, [&](auto NR) {
+            upto<kScoreChunks<T>>(ncg - x, [&](auto NC) {
               tile_scores<decltype(NR)::value, decltype(NC)::value>(qs + (r + i) * d, d, ch + x, bs,
                                                                     p + i * kTileLanes + 16 * x, kTileLanes);
             });

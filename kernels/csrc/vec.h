@@ -56,12 +56,17 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-// Register tiling per ISA: rows of x per gemm tile, and the sub-tiles of paged attention's row group
-// (query rows x 16-key chunks for the scores, query rows x 16-dim vectors for P.V, per cache dtype),
-// sized so that the accumulators, the loaded operands and a broadcast fit the register file.
+// Register tiling per ISA: the gemm's tiles per dtype (rows of x per tile; tiles of narrow_from..narrow_to rows,
+// none where 0, span one panel of a block instead of both: more rows per weight load where both would not fit
+// the registers), and the sub-tiles of paged attention's row group (query rows x 16-key chunks for the scores,
+// query rows x 16-dim vectors for P.V, per cache dtype), sized so that the accumulators, the loaded operands and
+// a broadcast fit the register file.
+struct GemmTiles {
+  int rows, narrow_from, narrow_to;
+};
 struct Tiles {
-  int gemm_rows_f32, gemm_rows_bf16;
-  int score_rows, score_chunks;
+  GemmTiles gemm_f32, gemm_bf16;
+  int score_rows_f32, score_chunks_f32, score_rows_bf16, score_chunks_bf16;
   int value_rows_f32, value_vecs_f32, value_rows_bf16, value_vecs_bf16;
 };
 
@@ -74,7 +79,7 @@ constexpr const char* kIsa = "avx512bf16";
 #else
 constexpr const char* kIsa = "avx512";
 #endif
-constexpr Tiles kTiles{8, 12, 4, 4, 4, 4, 4, 4};  // 32 zmm registers
+constexpr Tiles kTiles{{8, 0, 0}, {12, 0, 0}, 4, 4, 4, 4, 4, 4, 4, 4};  // 32 zmm registers
 
 using f32x16 = __m512;  // +, -, *, / are the compiler's vector operators
 using bf16x32 = __m512i;
@@ -151,7 +156,7 @@ inline f32x16 pair_odd(bf16x32 w) {
 // ------------------------------------------------------------------------------------------------
 #elif defined(CONVEYOR_ISA_AVX2)
 constexpr const char* kIsa = "avx2";
-constexpr Tiles kTiles{3, 11, 4, 1, 1, 4, 4, 1};  // 16 ymm registers; an f32x16 takes two
+constexpr Tiles kTiles{{6, 4, 6}, {11, 3, 5}, 3, 2, 4, 1, 1, 4, 4, 1};  // 16 ymm registers; an f32x16 takes two
 
 struct f32x16 {
   __m256 lo, hi;
@@ -268,7 +273,7 @@ inline f32x16 pair_odd(bf16x32 w) {
 #else  // generic: GCC/Clang vector extensions, scalar loops where they have no operator
 #pragma GCC diagnostic ignored "-Wpsabi"  // every function here is inline: no call crosses an ABI boundary
 constexpr const char* kIsa = "generic";
-constexpr Tiles kTiles{4, 4, 2, 2, 2, 2, 2, 2};
+constexpr Tiles kTiles{{4, 0, 0}, {4, 0, 0}, 2, 2, 2, 2, 2, 2, 2, 2};
 
 typedef float f32x16 __attribute__((vector_size(64)));  // +, -, *, / are the compiler's vector operators
 typedef uint32_t u32x16 __attribute__((vector_size(64)));

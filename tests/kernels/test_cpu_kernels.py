@@ -106,7 +106,7 @@ def test_packed_small_batch_matmul_is_as_close_to_float64_as_torch_linear(lib: M
         w = torch.randn(n, k).to(dtype)
         b = torch.randn(n).to(dtype) if bias else None
         packed = lib.pack_gemm(w)
-        for rows in (1, 2, 5, 11, 12, 13, 24, 32, 37):
+        for rows in (1, 2, 3, 4, 5, 7, 11, 12, 13, 24, 32, 37):
             x = torch.randn(rows, k).to(dtype)
             exact = F.linear(x.double(), w.double(), None if b is None else b.double())
             ours, eager = lib.gemm_packed(x, packed, n, b), F.linear(x, w, b)
@@ -148,11 +148,12 @@ def test_every_isa_computes_the_bits_of_the_generic_build(lib: ModuleType) -> No
     generic = isa_module("generic")
     g = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16):
-        w, x = torch.randn(200, 333, generator=g).to(dtype), torch.randn(19, 333, generator=g).to(dtype)
-        bias = torch.randn(200, generator=g).to(dtype)
-        assert torch.equal(
-            lib.gemm_packed(x, lib.pack_gemm(w), 200, bias), generic.gemm_packed(x, generic.pack_gemm(w), 200, bias)
-        )
+        w, bias = torch.randn(200, 333, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
+        for rows in (*range(1, 13), 19):  # every tile shape of every ISA (vec.h's kTiles)
+            x = torch.randn(rows, 333, generator=g).to(dtype)
+            assert torch.equal(
+                lib.gemm_packed(x, lib.pack_gemm(w), 200, bias), generic.gemm_packed(x, generic.pack_gemm(w), 200, bias)
+            ), (dtype, rows)
         gate_up = torch.randn(5, 2 * 96, generator=g).to(dtype)
         assert torch.equal(lib.silu_and_mul(gate_up), generic.silu_and_mul(gate_up))
         caches = [torch.randn(20, 16, 2, 64, generator=g).to(dtype) for _ in "kv"]
