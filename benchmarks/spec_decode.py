@@ -1,7 +1,9 @@
 """Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, measured in the same run
 on the same prompts: output tok/s on a repetition-heavy workload (rewrite a passage / edit code with one change)
-at concurrency 1 and 8, each request ending at the model's end token as a user's would, and on the seed workload
-(random-token prompts, 32 at once, a fixed output length); acceptance length.
+at concurrency 1 and 8, each request ending at the model's end token as a user's would; on the seed workload of
+benchmarks.throughput (64 random-token prompts, outputs U[16,192] with ignore_eos, at most 32 sequences, budget
+2048); and on a closed batch of 32 random-token prompts with 64 output tokens each, where nothing waits to take
+the place of a request that finishes early; acceptance length.
 `python -m benchmarks.spec_decode` (SmolLM2, float32, greedy);
 `python -m benchmarks.spec_decode --model demo:small --method draft --draft-model demo:small-l2`."""
 
@@ -11,6 +13,7 @@ import time
 from transformers import AutoTokenizer
 
 from benchmarks.serving import workload
+from benchmarks.throughput import workload as seed_workload
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.checkpoints.model_source import resolve_model
 
@@ -43,15 +46,23 @@ def repetition_prompts(model: str, n: int) -> list[list[int]]:
     return out
 
 
+def seed_prompts(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """benchmarks.throughput's seed workload: its prompts and output lengths."""
+    prompts, params = seed_workload(64, 0, llm.engine.vocab_size)
+    return [p["prompt_token_ids"] for p in prompts], [p.max_tokens for p in params]
+
+
 def run(
-    llm: LLM, prompts: list[list[int]], max_tokens: int, concurrency: int, ignore_eos: bool = False
+    llm: LLM, prompts: list[list[int]], max_tokens: int | list[int], concurrency: int, ignore_eos: bool = False
 ) -> tuple[float, list[list[int]]]:
-    """Output tok/s with at most `concurrency` requests in the engine (batches of that many, back to back)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    """Output tok/s with at most `concurrency` requests given to the engine at once (batches of that many, back
+    to back); `max_tokens`: one for all, or one per prompt."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lengths]
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         batch = [{"prompt_token_ids": p} for p in prompts[i : i + concurrency]]
-        outputs += [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(batch, params[i : i + concurrency], use_tqdm=False)]
     return sum(map(len, outputs)) / (time.perf_counter() - start), outputs
 
 
@@ -61,13 +72,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
     ap.add_argument("--draft-model", help="method draft: the draft checkpoint (benchmarks/cut_model.py cuts one)")
-    ap.add_argument("--cases", default="rep1,rep8,seed", help="which of rep1, rep8, seed to run")
+    ap.add_argument("--cases", default="rep1,rep8,seed,batch32", help="which of rep1, rep8, seed, batch32 to run")
     ap.add_argument("--min-acceptance-rate", type=float, default=0.3, help="the back-off bar (0: never back off)")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--seed-max-tokens", type=int, default=64)
+    ap.add_argument("--batch-max-tokens", type=int, default=64, help="output tokens of each closed-batch request")
     ap.add_argument("--rounds", type=int, default=3, help="plain and speculative runs alternated per workload")
     args = ap.parse_args()
-    opts = dict(dtype="float32", max_num_seqs=32, enable_prefix_caching=False)
+    opts = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=2048, enable_prefix_caching=False)
     plain = LLM(args.model, **opts)
     speculative = {
         "method": args.method,
@@ -77,10 +88,12 @@ def main() -> None:
     }
     spec = LLM(args.model, speculative=speculative, **opts)
     rep = repetition_prompts(args.model, 8)
+    seed, seed_lengths = seed_prompts(plain)
     cases = {  # name, prompts, max_tokens, concurrency, ignore_eos
         "rep1": ("repetition, concurrency 1", rep[:2], args.max_tokens, 1, False),
         "rep8": ("repetition, concurrency 8", rep, args.max_tokens, 8, False),
-        "seed": ("seed workload, 32 sequences", workload(32, 32, 256, seed=0), args.seed_max_tokens, 32, True),
+        "seed": ("seed workload, 64 req, 32 seqs", seed, seed_lengths, len(seed), True),
+        "batch32": ("closed batch of 32", workload(32, 32, 256, seed=0), args.batch_max_tokens, 32, True),
     }
     cases = [cases[c] for c in args.cases.split(",")]
     for _, prompts, _, conc, _ in cases:  # warm-up: oneDNN primitives of each case's shapes, made once per process
