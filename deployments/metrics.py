@@ -246,8 +246,9 @@ class RouterMetrics:
     ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/cluster")
     current: "RouterMetrics | None" = None
 
-    def __init__(self, model_name: str, router: str) -> None:
-        self.model_name, self.router = model_name, router
+    def __init__(self, model_name: str, router: str, roles: bool = False) -> None:
+        """`roles`: a disaggregated app with admission per role; each admission decision then carries `role`."""
+        self.model_name, self.router, self.roles = model_name, router, roles
         r = self.registry = CollectorRegistry()
         p = PREFIX
         self.http = Counter(
@@ -274,8 +275,8 @@ class RouterMetrics:
         self.local = CollectorRegistry()
         self.admission = Counter(
             "conveyor_admission_decisions",
-            "Admission decisions by outcome and reason",
-            ["admitted", "reason"],
+            "Admission decisions by outcome and reason (and role, in a disaggregated app)",
+            ["admitted", "reason", *(["role"] if roles else [])],
             registry=self.local,
         )
         self.queued = Gauge(
@@ -289,6 +290,10 @@ class RouterMetrics:
         )
         self.sources: dict[str, Dump] = {}
         RouterMetrics.current = self
+
+    def admission_decided(self, admitted: bool, reason: str, role: str = "prefill") -> None:
+        more = {"role": role} if self.roles else {}
+        self.admission.labels(admitted=str(admitted).lower(), reason=reason, **more).inc()
 
     def endpoint(self, path: str) -> str:
         return next((e for e in self.ENDPOINTS if path.endswith(e)), "other")

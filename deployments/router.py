@@ -93,7 +93,7 @@ class Router:
             router_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
             router_id = "local"
-        self.metrics = RouterMetrics(self.model_name, router_id)
+        self.metrics = RouterMetrics(self.model_name, router_id, roles=args.admission and decode is not None)
         self.drain = Drain()
         self.drain.watch(router_id)
         self._metrics_actor: Any = None
@@ -104,7 +104,7 @@ class Router:
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if args.admission else None
         if self.gate is not None:
             self.gate.start()
-            HTTPGuard.door = Door(self.gate, self.metrics.admission.labels(admitted="false", reason="queue_time").inc)
+            HTTPGuard.door = Door(self.gate, lambda: self.metrics.admission_decided(False, "queue_time"))
             self.metrics.queued.set_function(lambda: self.gate.queued)
             self._metrics_pusher = asyncio.create_task(self._push_metrics())
         # the decode role's own admission (deployments/role_admission.py)
@@ -159,7 +159,9 @@ class Router:
         roles = await decide_roles(self.gate, self.decode_gate, ask, handed)
         Door.decided()
         d = roles.refusal or roles.prefill
-        self.metrics.admission.labels(admitted=str(d.admit).lower(), reason=d.reason).inc()
+        for role, verdict in (("decode", roles.decode), ("prefill", roles.prefill)):  # a refusal counts for its role
+            if verdict is not None and (d.admit or verdict is d):
+                self.metrics.admission_decided(verdict.admit, verdict.reason, role)
         if d.admit:
             return RoutingHint.from_token_ids(
                 prompts[0],

@@ -103,8 +103,15 @@ def test_both_roles_report_to_their_own_admission(app: App) -> None:
     assert re.search(rf'^conveyor_replica_kv_blocks_free{{role="prefill",replica="{prefill_id}"}} ', text, re.M)
 
 
+def decisions(app: App) -> dict[tuple[str, str, str], float]:
+    """conveyor_admission_decisions_total by (role, admitted, reason)."""
+    pattern = r'^conveyor_admission_decisions_total\{admitted="(\w+)",reason="(\w+)",role="(\w+)"\} (\S+)$'
+    return {(r, a, why): float(n) for a, why, r, n in re.findall(pattern, app.http.get("/metrics").text, re.M)}
+
+
 def test_a_burst_beyond_the_decode_pool_is_refused_up_front(app: App) -> None:
     prompts = [f"count {i} to ten:" for i in range(3 * FITS)]
+    counted = decisions(app)
     prefill_before = handle("Prefill").handoff_stats.remote().result()
     added_before = prefill_before["engine"]["num_added"]
     got = burst(app, prompts)
@@ -116,6 +123,14 @@ def test_a_burst_beyond_the_decode_pool_is_refused_up_front(app: App) -> None:
         assert e.status_code == 429 and int(e.response.headers["retry-after"]) >= 1, e
         error = e.response.json()["error"]
         assert error["code"] == "no_room" and error["type"] == "rate_limit_error", error
+    now = decisions(app)  # each refusal counts for the role that refused it, each admission for both roles
+
+    def more(*key: str) -> float:
+        return now.get(key, 0.0) - counted.get(key, 0.0)
+
+    assert more("decode", "false", "no_room") == len(refused), now
+    assert more("decode", "true", "ok") == more("prefill", "true", "ok") == len(done), now
+    assert more("prefill", "false", "no_room") == 0, now
     prefill_after = handle("Prefill").handoff_stats.remote().result()
     assert prefill_after["handoffs"] - prefill_before["handoffs"] == len(done)  # the refused ones spent no prefill
     assert prefill_after["engine"]["num_added"] - added_before == len(done)
