@@ -35,8 +35,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2  # shortest suffix n-gram matched against the request's earlier tokens
     prompt_lookup_max: int = 4  # longest suffix n-gram tried first
-    # a request's speculation pauses (for 1, 2, 4, ... 64 steps) while its recent share of accepted draft tokens is
-    # below this; the cost of a draft token rises with the batch, so the bar scales with the step's decodes
+    # a request drafts only the positions whose recent chance of acceptance is at least this, and pauses (for 1, 2,
+    # 4, ... 64 steps) while not even the first one's is; the cost of a draft token rises with the batch, so the bar
+    # scales with the step's decodes
     min_acceptance_rate: float = 0.3
 
     def __post_init__(self) -> None:

@@ -77,6 +77,23 @@ def test_controller_backs_off_and_probes_again() -> None:
     assert c.propose(seeded, 0, 8, 1) == []  # sampled token by token with its own generator: no drafts
 
 
+def test_draft_length_stops_where_drafts_are_rejected() -> None:
+    """At the full bar a request whose drafts are accepted up to the second position drafts two, trying the longer
+    run again after a run accepted whole; alone in a step it drafts all four (a row costs almost nothing there)."""
+    c = SpecController(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, min_acceptance_rate=0.5))
+    seq = Sequence("a", [1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(temperature=0))
+    lengths = []
+    for step in range(40):
+        drafts = c.propose(seq, step, 8, 32)
+        assert drafts == [3, 4, 5, 6][: len(drafts)]
+        lengths.append(len(drafts))
+        c.observe("a", len(drafts), min(2, len(drafts)))
+    later = lengths[4:]
+    assert lengths[0] == 4 and min(later) == 2 and sum(later) / len(later) <= 3.1, lengths
+    assert c.counters.num_accepted_tokens == 2 * len(lengths)  # never paused, never cut below the accepted run
+    assert len(c.propose(seq, 40, 8, 1)) == 4
+
+
 def test_config_refuses_what_is_not_implemented() -> None:
     with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
         LLM("demo:tiny", speculative={"method": "ngram", "num_speculative_tokens": 0})

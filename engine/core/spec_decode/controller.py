@@ -1,10 +1,13 @@
 """Which decoding requests speculate this step, with how many drafts, and what came of it.
 
-Back-off: each request keeps a moving average of the share of its draft tokens the target accepted. While it
-is below the bar the request decodes plainly for 2, 4, ... 64 steps, then probes again. A draft token costs
-a row of compute that every request of the step waits on, while an accepted one saves a whole step of its
-request: with few decodes in a step the step's fixed cost (reading the weights) dominates and almost any
-acceptance pays; with many, the bar rises to `min_acceptance_rate` (EngineConfig.speculative)."""
+A draft token costs a row of compute that every request of the step waits on, while an accepted one saves a
+whole step of its request: with few decodes in a step the step's fixed cost (reading the weights) dominates and
+almost any acceptance pays; with many, the bar rises to `min_acceptance_rate` (EngineConfig.speculative).
+Draft length: each request keeps, per draft position, a moving average of how often the target accepted the
+token there when it had accepted the ones before; a request drafts the longest run of positions whose chance of
+being accepted (the product of those averages) is at least the bar. A run accepted whole lets the next position
+try again. Back-off: where not even the first position clears the bar, the request decodes plainly for 1, 2, 4,
+... 64 steps, then probes again with one draft token or more."""
 
 import sys
 from dataclasses import dataclass, field
@@ -21,9 +24,18 @@ _EMA = 0.5  # weight of the latest step in a request's acceptance average
 
 @dataclass
 class _Track:
-    rate: float = 1.0  # moving average of accepted / drafted tokens
+    accept: list[float]  # per draft position: moving average of "accepted, given the positions before it were"
     paused_until: int = 0  # scheduler step before which the request does not speculate
     pause: int = 1
+
+    def length(self, bar: float) -> int:
+        """Draft positions whose chance of acceptance is at least `bar`."""
+        chance = 1.0
+        for n, a in enumerate(self.accept):
+            chance *= a
+            if chance < bar:
+                return n
+        return len(self.accept)
 
 
 @dataclass
@@ -79,14 +91,16 @@ class SpecController:
         """Up to min(k, max_tokens) drafts for a decoding request, or none while it is backed off."""
         track = self.tracks.get(seq.request_id)
         if track is None:
-            track = self.tracks[seq.request_id] = _Track(paused_until=0 if self.eligible(seq) else sys.maxsize)
+            paused_until = 0 if self.eligible(seq) else sys.maxsize
+            track = self.tracks[seq.request_id] = _Track([1.0] * self.k, paused_until)
         if step < track.paused_until or max_tokens < 1:
             return []
-        if track.rate < self.bar(num_decodes):
+        bar = self.bar(num_decodes)
+        if (n := track.length(bar)) == 0:
             track.paused_until, track.pause = step + track.pause, min(2 * track.pause, _MAX_PAUSE)
-            track.rate = self.bar(num_decodes)  # the probe after the pause starts at the bar
+            track.accept[0] = bar  # the probe after the pause drafts at least one token
             return []
-        return self.proposer.propose(seq, min(self.k, max_tokens))
+        return self.proposer.propose(seq, min(n, max_tokens))
 
     def lookahead(self, seq: Sequence, step: int) -> bool:
         """Method "draft": whether the draft model should propose for seq after this step (it is eligible and
@@ -103,10 +117,17 @@ class SpecController:
         c.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             c.accepted_per_pos[i] += 1
-        if track is not None:
-            track.rate = (1 - _EMA) * track.rate + _EMA * num_accepted / num_draft
-            if num_accepted:
-                track.pause = 1
+        if track is None:
+            return
+        a = track.accept
+        for i in range(num_accepted):
+            a[i] += _EMA * (1.0 - a[i])
+        if num_accepted < num_draft:
+            a[num_accepted] *= 1 - _EMA
+        elif num_accepted < self.k:  # every draft accepted: the next position earns a try
+            a[num_accepted] += _EMA * (1.0 - a[num_accepted])
+        if num_accepted:
+            track.pause = 1
 
     def forget(self, req_id: str) -> None:
         self.tracks.pop(req_id, None)
