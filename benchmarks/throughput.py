@@ -140,6 +140,9 @@ def measure_vllm(python: str, model: str, dtype: str, n: int, seed: int, bind: s
         },
     }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    if env.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":  # vLLM's own kernels held to AVX2 too (peer_site)
+        site = os.path.join(os.path.dirname(__file__), "peer_site")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (site, env.get("PYTHONPATH"))))
     if bind != "default":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     script = os.path.join(os.path.dirname(__file__), "vllm_peer.py")
@@ -182,7 +185,7 @@ def peer_rounds(args: argparse.Namespace, model: str, dtype: str) -> None:
         ratios.append(ours["tok_per_s"] / peers[best]["tok_per_s"])
         ours_all.append(ours["tok_per_s"])
         peer_all.append(peers[best]["tok_per_s"])
-        binds = " ".join(f"vllm[{b}] {p['tok_per_s']:.1f}" for b, p in peers.items())
+        binds = " ".join(f"vllm[{b}, {p.get('isa', '?')}] {p['tok_per_s']:.1f}" for b, p in peers.items())
         line = f"  round {r + 1}: ours {ours['tok_per_s']:.1f} tok/s, {binds} -> ours/vllm {ratios[-1]:.2f}"
         if dtype == "float32":
             same, prefix = agreement(ours["token_ids"], peers[best]["token_ids"])

@@ -35,10 +35,19 @@ def main() -> None:
     seconds = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     tokens = sum(map(len, token_ids))
+    import torch
+
+    isa = "avx512" if torch.cpu._is_avx512_supported() else "avx2"  # what vLLM picked its kernels by
     print(
         "PEER_RESULT "
         + json.dumps(
-            {"tok_per_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens, "token_ids": token_ids}
+            {
+                "tok_per_s": tokens / seconds,
+                "seconds": seconds,
+                "output_tokens": tokens,
+                "token_ids": token_ids,
+                "isa": isa,
+            }
         ),
         flush=True,
     )
