@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Collection, Sequence
 
 from conveyor.cluster import admission_snapshot
 from conveyor.cluster.admission_config import AdmissionConfig
@@ -294,11 +294,13 @@ class AdmissionClient:
         num_seqs: int = 1,
         output_tokens: int = 0,
         lora: str | None = None,
+        exclude: Collection[str] = (),
     ) -> Decision:
-        """`decide` on the current view without waiting (no sync, lease claim or queue): reserves when admitted."""
+        """`decide` on the current view without waiting (no sync, lease claim or queue): reserves when admitted;
+        `exclude`: replicas not to reserve on."""
         self.decisions += 1
         now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
+        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora, exclude)
         if d.admit:
             d = self._hold(d, now, num_seqs, keys)
         return replace(d, reason="no_room") if d.reason == "lease" else d

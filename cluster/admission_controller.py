@@ -14,7 +14,7 @@ receipt time on the actor and carried as an age in snapshots, so clocks of diffe
 """
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 from conveyor.cluster import placement
 from conveyor.cluster.queue_time import retry_after_s
@@ -53,8 +53,10 @@ class AdmissionController(ReplicaView):
         output_tokens: int = 0,
         num_seqs: int = 1,
         lora: str | None = None,
+        exclude: Collection[str] = (),
     ) -> Decision:
-        """`lora`: the LoRA adapter it runs with (replicas reporting it resident rank first, score.prefer_resident).
+        """`exclude`: replicas the request must not go to (a handoff retried after they refused or lost it).
+        `lora`: the LoRA adapter it runs with (replicas reporting it resident rank first, score.prefer_resident).
         `num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
         keys, for the ranking; `output_tokens`: each of its `num_seqs` sequences' max_tokens, charged as
@@ -71,7 +73,7 @@ class AdmissionController(ReplicaView):
         fresh = [rid for rid, e in self.replicas.items() if self.fresh(e, now)]
         if not fresh:
             return Decision(False, [], retry, "stale")
-        open_ = [rid for rid in fresh if not self.replicas[rid].saturated]
+        open_ = [rid for rid in fresh if not self.replicas[rid].saturated and rid not in exclude]
         if not open_:
             return Decision(False, [], retry, "saturated")
         cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}

@@ -17,12 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.cluster.admission_controller import Decision
 from conveyor.cluster.routing import RoutingHint
-from conveyor.cluster.stats import num_blocks
 from conveyor.deployments.api_error import APIError
 from conveyor.deployments.kv_autoscaling import KVAutoscaling
 from conveyor.deployments.protocol import Chunk, GenerateRequest
 from conveyor.deployments.replica_errors import cause, replica_lost
-from conveyor.deployments.role_admission import decode_hint
+from conveyor.deployments.role_admission import decode_hint, handoff_ask, redecide
 
 if TYPE_CHECKING:
     from conveyor.deployments.router import Router
@@ -107,13 +106,14 @@ async def disaggregated_stream(
     yield first
     if handoff is None:
         return
-    blocks = num_blocks(len(req.prompts[0]) + 1, router.block_size)
+    ask = handoff_ask(len(req.prompts[0]), router.block_size, req.sampling.max_tokens, req.lora and req.lora.name)
     refused: list[str] = []
+    tried: list[str] = []  # decode replicas that held this request's reservation, or refused it
     errors: list[str] = []
     for attempt in range(MAX_DECODE_TRIES):
         # a try of its own on the token channel: a lost replica's chunks still in flight reach no one
         try_req = req if attempt == 0 else req.model_copy(update={"request_id": f"{req.request_id}-try{attempt}"})
-        hint = decode_hint(router.decode_gate, decode, blocks, refused, req.lora and req.lora.name)
+        hint = decode_hint(router.decode_gate, decode, ask.blocks, refused, ask.lora)
         streamed = False
         try:
             async for chunk in router.follow(
@@ -129,9 +129,12 @@ async def disaggregated_stream(
             why = retry_reason(e)
             errors.append(repr(e))
             router.release_decode(decode)  # refused (not counted there) or lost: the reservation goes too
+            tried += decode.replicas[:1] if decode is not None else []
             decode = None
             if streamed or why is None or attempt == MAX_DECODE_TRIES - 1:
                 raise HandoffFailed("; ".join(errors)) from None
             if isinstance(e, HandoffRefused):
                 refused.append(e.replica)
+                tried.append(e.replica)
             router.metrics.handoff_retries.labels(reason=why).inc()
+            decode = redecide(router.decode_gate, ask, tried)

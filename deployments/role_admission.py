@@ -9,7 +9,9 @@ queue-time bound. Decode is decided first (waiting for room as any admission doe
 request will be routed to; should that refuse (the room went while prefill was decided), the prefill reservation is
 withdrawn before anything else runs. Either refusal leaves nothing held on the other role. A decode reservation goes
 as a colocated one does, when the decode replica's stats count the request (or after settle_max_s); one whose request
-finished or failed on its prefill replica, and so never gets there, is withdrawn (AdmissionClient.release).
+finished or failed on its prefill replica, and so never gets there, is withdrawn (AdmissionClient.release). A handoff
+retried after its decode replica refused or lost it reserves again, on a replica not tried yet (`redecide`); where
+admission sees no room, the retry goes without a reservation and the decode replica's own import check decides.
 """
 
 from dataclasses import dataclass, replace
@@ -18,6 +20,7 @@ from typing import Sequence
 from conveyor.cluster.admission_actor import AdmissionClient
 from conveyor.cluster.admission_controller import Decision
 from conveyor.cluster.routing import RoutingHint
+from conveyor.cluster.stats import num_blocks
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,12 @@ class Ask:
 
     def args(self) -> tuple:
         return self.blocks, self.largest_blocks, self.keys, self.num_seqs, self.output_tokens, self.lora
+
+
+def handoff_ask(prompt_tokens: int, block_size: int, max_tokens: int, lora: str | None) -> Ask:
+    """The decode role's ask for a request to be handed off: the prompt and first token it receives, and its likely
+    output."""
+    return Ask(num_blocks(prompt_tokens + 1, block_size), output_tokens=max_tokens, lora=lora)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,15 @@ async def decide_roles(prefill: AdmissionClient, decode: AdmissionClient | None,
     if not held.admit:
         prefill.release(chosen)
     return RoleDecision(chosen, held)
+
+
+def redecide(decode: AdmissionClient | None, d: Ask, tried: Sequence[str]) -> Decision | None:
+    """A retried handoff's decode decision, reserving on a replica not in `tried`, or None where admission is off or
+    sees no room there."""
+    if decode is None:
+        return None
+    verdict = decode.decide_now(*d.args(), exclude=tried)
+    return verdict if verdict.admit else None
 
 
 def decode_hint(

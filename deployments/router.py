@@ -34,7 +34,7 @@ from conveyor.deployments.request_models import (
 from conveyor.deployments.responder import respond
 from conveyor.deployments.response_models import ModelCard, ModelList
 from conveyor.deployments.responses import ResponseBuilder, error_response, install_error_handlers
-from conveyor.deployments.role_admission import Ask, decide_roles
+from conveyor.deployments.role_admission import Ask, decide_roles, handoff_ask
 from conveyor.deployments.serve_logs import flush_at_warning
 from conveyor.deployments.token_channel import TokenInbox, follow
 from conveyor.engine.checkpoints.model_source import resolve_model
@@ -154,7 +154,7 @@ class Router:
         ask = Ask(sum(sizes) * n, max(sizes), keys, len(prompts) * n, max_tokens, lora and lora.name)
         handed = None
         if handoff and max_tokens > 1 and self.decode_gate is not None:  # prefill holds the prompt and first token
-            handed = Ask(num_blocks(len(prompts[0]) + 1, self.block_size), output_tokens=max_tokens, lora=ask.lora)
+            handed = handoff_ask(len(prompts[0]), self.block_size, max_tokens, ask.lora)
             ask = replace(ask, output_tokens=1)
         roles = await decide_roles(self.gate, self.decode_gate, ask, handed)
         Door.decided()

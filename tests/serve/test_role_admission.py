@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from conveyor.cluster.admission_actor import AdmissionActor, AdmissionClient
 from conveyor.deployments.disaggregation import DECODE_ADMISSION
-from conveyor.deployments.role_admission import Ask, decide_roles, decode_hint
+from conveyor.deployments.role_admission import Ask, decide_roles, decode_hint, redecide
 from tests.cluster.replica_stats import stats
 
 PREFILL = Ask(blocks=2, output_tokens=1)
@@ -127,6 +127,34 @@ def test_a_lora_request_reserves_on_a_decode_replica_holding_its_adapter() -> No
         assert r.refusal is None and r.decode.replicas[0] == r.decode.reservation.replica_id == "d2"
         hint = decode_hint(decode, r.decode, 2, (), "x")
         assert hint.replicas[0] == "d2" and hint.lora == "x"
+
+    asyncio.run(scenario())
+
+
+def test_a_retried_handoff_reserves_again_on_a_replica_not_tried() -> None:
+    """After its decode replica refused or lost the handoff (its reservation withdrawn), the retry reserves on the
+    next replica with room and never on one tried; with no such room it goes without a reservation."""
+    clock = [0.0]
+    p_actor, d_actor, prefill, decode = roles(clock)
+
+    async def scenario() -> None:
+        p_actor.report(stats("p", total=40, free=40))
+        for rid, free in (("d1", 40), ("d2", 38), ("d3", 5)):
+            d_actor.report(stats(rid, total=40, free=free))
+        await prefill.refresh()
+        await decode.refresh()
+        r = await decide_roles(prefill, decode, PREFILL, DECODE)
+        assert r.decode.reservation.replica_id == "d1"
+        decode.release(r.decode)
+        again = redecide(decode, DECODE, ["d1"])
+        assert again.reservation.replica_id == "d2" and decode.controller.reserved("d2")[0] == 32
+        assert held(decode) == 32  # d1's withdrawn, d2's held
+        hint = decode_hint(decode, again, DECODE.blocks, ["d1"])
+        assert hint.replicas[0] == "d2" and "d1" not in hint.replicas
+        decode.release(again)
+        assert redecide(decode, DECODE, ["d1", "d2"]) is None  # d3 has no room: no reservation
+        assert held(decode) == 0
+        assert redecide(None, DECODE, []) is None  # admission off
 
     asyncio.run(scenario())
 
