@@ -10,6 +10,7 @@ one refresh.
 """
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -74,7 +75,9 @@ class AdmissionActor:
             self.routers[router_id] = now
         self.routers = {r: t for r, t in self.routers.items() if now - t <= ROUTER_TTL_S}
         for r in reservations:
-            self.controller.reserve(r.replica_id, r.blocks, now - max(0.0, r.age_s), r.requests, r.keys)
+            self.controller.reserve(
+                r.replica_id, r.blocks, now - max(0.0, r.age_s), r.requests, r.keys, r.prefill_blocks
+            )
         for r in withdrawn:
             self.controller.book.withdraw(r, now)
         snap = self.snapshot()
@@ -233,10 +236,12 @@ class AdmissionClient:
         output_tokens: int = 0,
         lora: str | None = None,
         hold: bool = True,
+        queue_time: bool = True,
     ) -> Decision:
         """Admit (reserving the request's blocks and `num_seqs` sequences on the best-ranked replica) or
         refuse; `keys`: the prompt's block keys; `output_tokens`: each sequence's max_tokens; `lora`: its
-        LoRA adapter; `hold=False`: the verdict only, nothing reserved (`decide_now` reserves later)."""
+        LoRA adapter; `hold=False`: the verdict only, nothing reserved (`decide_now` reserves later);
+        `queue_time=False`: its queue time was judged at the door (AdmissionController.decide)."""
         self.decisions += 1
         if self.quiet:
             self.quiet = False
@@ -251,7 +256,8 @@ class AdmissionClient:
             except Exception:
                 pass
             now = self.clock()
-        d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
+        judge = functools.partial(self.controller.decide, queue_time=queue_time)
+        d = judge(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
         if not d.admit and d.reason in ("no_replicas", "stale") and reached and self.failed_at > self.fetched_at:
             return self._fail_open(d, self.error)  # the background refresh keeps trying; requests don't wait on it
         # a router that never reached the actor is starting (its replicas came up after it), not cut off: sync first
@@ -261,11 +267,13 @@ class AdmissionClient:
             except Exception as e:
                 return self._fail_open(d, e)
             now = self.clock()
-            d = self.controller.decide(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
+            d = judge(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
         short = not d.admit and d.reason == "lease"
         if short:
             self.demand += d.new_blocks
-            d = await self._await_lease(d, num_prompt_blocks, largest_blocks, keys, output_tokens, num_seqs, lora)
+            d = await self._await_lease(
+                d, judge, num_prompt_blocks, largest_blocks, keys, output_tokens, num_seqs, lora
+            )
             now = self.clock()
         cfg = self.controller.config
         if not d.admit and d.reason in ("saturated", "no_room", "lease") and self.queued < cfg.max_queued:
@@ -277,9 +285,7 @@ class AdmissionClient:
                     except asyncio.TimeoutError:
                         pass
                     now = self.clock()
-                    d = self.controller.decide(
-                        num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora
-                    )
+                    d = judge(num_prompt_blocks, now, largest_blocks, keys, output_tokens, num_seqs, lora)
             finally:
                 self.queued -= 1
         if d.admit and hold:
@@ -308,7 +314,7 @@ class AdmissionClient:
     def _hold(
         self, d: Decision, now: float, num_seqs: int, keys: Sequence[bytes], count_demand: bool = True
     ) -> Decision:
-        r = self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys)
+        r = self.controller.reserve(d.replicas[0], d.new_blocks, now, num_seqs, keys, d.prefill_blocks)
         self.demand += d.new_blocks if count_demand else 0
         return replace(d, reservation=r)
 
@@ -323,7 +329,7 @@ class AdmissionClient:
         else:
             self.withdrawn.append(r)
 
-    async def _await_lease(self, d: Decision, *args: Any) -> Decision:
+    async def _await_lease(self, d: Decision, judge: Callable[..., Decision], *args: Any) -> Decision:
         """A replica has room but this router's lease of it is spent: claim what the request needs at once (the
         next sync, without waiting out the interval), then once more at the next regular sync (after the other
         routers' syncs have returned what they hold beyond their shares); a refusal then is `no_room`."""
@@ -338,7 +344,7 @@ class AdmissionClient:
                     await asyncio.wait_for(self._refreshed.wait(), 2.0 + self.refresh_s)
             except Exception:
                 break
-            d = self.controller.decide(args[0], self.clock(), *args[1:])
+            d = judge(args[0], self.clock(), *args[1:])
             if d.admit or d.reason != "lease":
                 break
         return d

@@ -31,7 +31,8 @@ class Decision:
     reason: str = "ok"
     cached_blocks: dict[str, float] = field(default_factory=dict)  # per replica: credited_blocks
     queue_time_s: float = 0.0
-    new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already
+    new_blocks: int = 0  # on replicas[0]: the prompt's blocks less those reserved there already, and its output's
+    prefill_blocks: int = 0  # of new_blocks, the prompt's
     reservation: Reservation | None = None  # router side: what admitting it reserved on replicas[0]
 
 
@@ -54,8 +55,10 @@ class AdmissionController(ReplicaView):
         num_seqs: int = 1,
         lora: str | None = None,
         exclude: Collection[str] = (),
+        queue_time: bool = True,
     ) -> Decision:
         """`exclude`: replicas the request must not go to (a handoff retried after they refused or lost it).
+        `queue_time=False`: the router's door judged the request's queue time already (deployments/door.py).
         `lora`: the LoRA adapter it runs with (replicas reporting it resident rank first, score.prefer_resident).
         `num_prompt_blocks`: the whole request's prompt blocks; `largest_blocks`: its largest single
         sequence (defaults to the whole), which alone decides `prompt_too_large`; `keys`: the prompt's block
@@ -77,11 +80,8 @@ class AdmissionController(ReplicaView):
         if not open_:
             return Decision(False, [], retry, "saturated")
         cached = {rid: c for rid in open_ if (c := self.cached_blocks(rid, keys)) is not None}
-        need = {
-            rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys)))
-            + self.output_blocks(rid, output_tokens, num_seqs)
-            for rid in open_
-        }
+        prefill = {rid: max(0, num_prompt_blocks - cached.get(rid, self.shared_blocks(rid, keys))) for rid in open_}
+        need = {rid: prefill[rid] + self.output_blocks(rid, output_tokens, num_seqs) for rid in open_}
         fits = [rid for rid in open_ if self.fits(rid, need[rid])]
         if not fits:
             return Decision(False, [], retry, "no_room")
@@ -96,7 +96,7 @@ class AdmissionController(ReplicaView):
             fits = leased
         wait = {rid: self.queue_time(rid) for rid in fits}
         limit = self.config.max_queue_time_s
-        if limit > 0:
+        if limit > 0 and queue_time:
             best = min(wait.values())
             fits = [rid for rid in fits if wait[rid] <= limit]
             if not fits:
@@ -108,7 +108,8 @@ class AdmissionController(ReplicaView):
             load = {rid: self.replicas[rid].stats.num_running + self.replicas[rid].stats.num_waiting for rid in fits}
             fits = prefer_resident(fits, resident, {rid: n + self.reserved(rid)[1] for rid, n in load.items()})
         credit = {r: self.credited_blocks(r, c, lower[r]) for r, c in cached.items() if r in wait}
-        return Decision(True, fits, 0.0, "ok", credit, wait[fits[0]], need[fits[0]])
+        best = fits[0]
+        return Decision(True, fits, 0.0, "ok", credit, wait[best], need[best], prefill[best])
 
     def rank(
         self,

@@ -28,7 +28,8 @@ def snapshot(view: ReplicaView, now: float) -> dict[str, Any]:
                 "reserved_blocks": blocks,
                 "reserved_requests": requests,
                 "rates": e.rates.to_dict(),
-                "unseen_reserved_blocks": view.unseen_blocks(rid),
+                "reserved_prefill_blocks": view.reserved_prefill(rid),
+                "unseen_prefill_blocks": view.unseen_prefill(rid),
                 "queue_time_s": wait if math.isfinite(wait) else -1.0,
                 "kv_index_reported": view.kv.reported(rid),
                 "kv_index_blocks": view.kv.size(rid),
@@ -85,7 +86,8 @@ def restore(view: ReplicaView, snapshot: dict[str, Any], now: float, asked_at: f
             r.get("reserved_blocks", 0),
             r.get("reserved_requests", 0),
             frozenset(pending.get(r["replica_id"], ())),
-            r.get("unseen_reserved_blocks", 0),
+            r.get("reserved_prefill_blocks", 0),
+            r.get("unseen_prefill_blocks", 0),
         )
         for r in snapshot["replicas"]
     }

@@ -5,10 +5,11 @@ Two bottlenecks, whichever is worse: batch slots (a request beyond the replica's
 enough running requests have finished: the k-th slot frees when the running request with the k-th fewest
 tokens left is done, at the measured steps per second; beyond those, at the measured finish rate; slots
 are `max_num_seqs`, or fewer when the KV cache holds fewer requests the size the running ones grow to by
-their `max_tokens`) and prefill (the prompt tokens queued ahead drain at the measured prefill rate; the
+their `max_tokens`) and prefill (the prompt tokens queued ahead drain at Rates.prefill_drain_per_s; the
 engine counts a queued prompt's cached tokens too, so those are scaled by the measured prefix-cache miss
-ratio). Requests admitted but not yet in the stats count as queued. With a queue but no measured finish
-rate the wait is unknown: infinite, so a cold replica takes what its free slots hold and no more.
+ratio). Requests admitted but not yet in the stats count as queued, their prompts as queued prefill. With a
+queue but no measured finish rate the wait is unknown: infinite, so a cold replica takes what its free slots
+hold and no more.
 """
 
 import math
@@ -37,7 +38,8 @@ def queue_time_s(
     else:
         slot_wait = over / rates.finished_per_s if rates.finished_per_s > 0 else math.inf
     tokens = stats.num_waiting_tokens * rates.miss_ratio + extra_tokens
-    prefill_wait = tokens / rates.prefill_tokens_per_s if rates.prefill_tokens_per_s > 0 and tokens > 0 else 0.0
+    rate = rates.prefill_drain_per_s
+    prefill_wait = tokens / rate if rate > 0 and tokens > 0 else 0.0
     return max(slot_wait, prefill_wait)
 
 

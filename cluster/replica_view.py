@@ -25,7 +25,8 @@ class ReplicaEntry:
     shared_blocks: int = 0  # other processes' reservations, as the actor counts them (router side)
     shared_requests: int = 0
     shared_keys: frozenset = frozenset()
-    shared_unseen_blocks: int = 0  # of shared_blocks, reserved after the replica's last stats
+    shared_prefill_blocks: int = 0  # of shared_blocks, prompt blocks to compute (Reservation.prefill_blocks)
+    shared_unseen_prefill_blocks: int = 0  # of those, reserved after the replica's last stats
 
 
 class ReplicaView:
@@ -128,11 +129,16 @@ class ReplicaView:
         lease = self.lease.get(replica_id, 0) if self.lease is not None and now <= self.lease_until else 0
         return lease - sum(r.blocks for r in self.book.own(replica_id))
 
-    def unseen_blocks(self, replica_id: str) -> int:
-        """Reserved blocks newer than the replica's last stats, every router's (own ones once per router)."""
+    def reserved_prefill(self, replica_id: str) -> int:
+        """Of `reserved` blocks, the prompt blocks the replica will compute (own ones once per router)."""
+        entry, own = self.replicas[replica_id], self.book.own(replica_id)
+        return entry.shared_prefill_blocks + self.num_routers * sum(r.prefill_blocks for r in own)
+
+    def unseen_prefill(self, replica_id: str) -> int:
+        """Of those, the ones reserved after the replica's last stats, every router's (own ones once per router)."""
         e = self.replicas[replica_id]
-        return e.shared_unseen_blocks + self.num_routers * sum(
-            r.blocks for r in self.book.own(replica_id) if r.at > e.received_at
+        return e.shared_unseen_prefill_blocks + self.num_routers * sum(
+            r.prefill_blocks for r in self.book.own(replica_id) if r.at > e.received_at
         )
 
     def room(self, replica_id: str) -> int:
@@ -201,14 +207,14 @@ class ReplicaView:
 
     def queue_time(self, replica_id: str, shared: int | None = None, extra_requests: int = 0) -> float:
         """Estimated wait before a request sent now starts there (cluster.queue_time) x queue_time_safety.
-        With `shared` (for ranking, not admission): of this router's reservations only those newer than the
-        replica's last stats count as queued prefill (older ones started or finished, as a rule, long before
-        they settle), less the `shared` blocks the request shares with them (computed once for both).
+        Reservations queue their prompt blocks as prefill (their output blocks come later, one token a step).
+        With `shared` (for ranking, not admission): only reservations newer than the replica's last stats count
+        (older ones started or finished, as a rule, long before they settle), less the `shared` blocks the
+        request shares with them (computed once for both).
         `extra_requests`: requests ahead of it that admission has not decided yet (their size unknown)."""
         e = self.replicas[replica_id]
-        blocks, requests = self.reserved(replica_id)
-        if shared is not None:
-            blocks = self.unseen_blocks(replica_id) - shared
+        requests = self.reserved(replica_id)[1]
+        blocks = self.reserved_prefill(replica_id) if shared is None else self.unseen_prefill(replica_id) - shared
         tokens = max(0, blocks) * self.config.block_size
         wait = queue_time_s(e.stats, e.rates, requests + extra_requests, tokens, self.config.block_size)
         return wait * self.config.queue_time_safety
@@ -226,12 +232,20 @@ class ReplicaView:
         return {rid: self.kv_demand(rid) for rid, e in self.replicas.items() if self.fresh(e, now)}
 
     def reserve(
-        self, replica_id: str, num_blocks: int, now: float, requests: int = 1, keys: Sequence[bytes] = ()
+        self,
+        replica_id: str,
+        num_blocks: int,
+        now: float,
+        requests: int = 1,
+        keys: Sequence[bytes] = (),
+        prefill_blocks: int | None = None,
     ) -> Reservation | None:
-        """Charge an admitted request to a replica until stats that can include it arrive."""
+        """Charge an admitted request to a replica until stats that can include it arrive; `prefill_blocks`: of
+        `num_blocks`, the prompt blocks to compute (all of them unless given)."""
         if replica_id not in self.replicas:
             return None
-        r = Reservation(replica_id, now, num_blocks, requests, tuple(keys))
+        prefill = num_blocks if prefill_blocks is None else min(prefill_blocks, num_blocks)
+        r = Reservation(replica_id, now, num_blocks, requests, tuple(keys), prefill)
         self.book.add(r)
         self.settle(replica_id, now)
         self.hot.record(replica_id, keys, now)

@@ -14,16 +14,20 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Reservation:
-    """An admitted request not yet in its replica's stats. `at`: when this process learnt of it."""
+    """An admitted request not yet in its replica's stats. `at`: when this process learnt of it. `prefill_blocks`:
+    of its `blocks`, the prompt blocks the replica will compute (the rest is output it will grow into): what it
+    queues ahead of the next request's prefill."""
 
     replica_id: str
     at: float
     blocks: int
     requests: int = 1
     keys: tuple[bytes, ...] = ()
+    prefill_blocks: int = 0
 
     def report(self, now: float) -> "ReservationReport":
-        return ReservationReport(self.replica_id, max(0.0, now - self.at), self.blocks, self.requests, self.keys)
+        age = max(0.0, now - self.at)
+        return ReservationReport(self.replica_id, age, self.blocks, self.requests, self.keys, self.prefill_blocks)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class ReservationReport:
     blocks: int
     requests: int = 1
     keys: tuple[bytes, ...] = ()
+    prefill_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,8 @@ class ReservationBook:
         left = []
         for r in sorted(self.held.get(replica_id, ()), key=lambda r: r.at):
             if by_arrival and r.requests and self._take_arrivals(replica_id, r.requests, now, rule.arrival_credit_s):
-                r = replace(r, blocks=0, requests=0)  # counted in the stats now; its keys stay pending
+                # counted in the stats now; its keys stay pending
+                r = replace(r, blocks=0, requests=0, prefill_blocks=0)
             if received_at < r.at + (limit if r.requests else rule.settle_s):
                 left.append(r)
         if left:

@@ -84,6 +84,14 @@ class Rates:
     missed_tokens: float = 0.0  # of those, not found in the prefix cache
 
     @property
+    def prefill_drain_per_s(self) -> float:
+        """What a queue of prompt tokens drains at: every token computed per busy second, prompt or sampled. A
+        queued prompt's tokens share the steps' token budget with the running requests' decode tokens, and a
+        step costs no more per token for taking more of them, so this is a floor; the prefill rate alone is
+        what arrivals asked for, far below it on a replica that mostly decodes."""
+        return self.prefill_tokens_per_s + self.decode_tokens_per_s
+
+    @property
     def miss_ratio(self) -> float:
         """Share of queued prompt tokens that will really be computed (1 until measured)."""
         return self.missed_tokens / self.prompt_tokens if self.prompt_tokens > 0 else 1.0

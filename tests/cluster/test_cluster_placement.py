@@ -124,7 +124,7 @@ def test_waiting_queue_demand_is_scaled_by_the_measured_miss_ratio():
     queued = stats("a", free=100, waiting=2, waiting_tokens=1600)  # 100 blocks asked, a quarter to compute
     assert queued.waiting_blocks(rates.miss_ratio) == 25 and queued.waiting_blocks(Rates().miss_ratio) == 100
     assert AdmissionController.kv_pressure(queued, rates) == (100 + 25) / 200  # what the watermarks compare
-    assert queue_time_s(queued, rates) == 1600 * 0.25 / rates.prefill_tokens_per_s
+    assert queue_time_s(queued, rates) == 1600 * 0.25 / rates.prefill_drain_per_s
 
 
 def test_rates_count_wall_time_between_pushes_while_working():
