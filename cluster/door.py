@@ -2,20 +2,37 @@
 request whatever its size, so a router can refuse a generation request before reading or parsing its body.
 The requests a router has let in but not yet decided are ahead of the next one: they count as queued (one
 request each, their prompts unread), so under a burst the door closes once enough are inside to fill the
-queues, not only after admission has worked through them."""
+queues, not only after admission has worked through them.
+
+Past a quarter of the objective (`queueing`) the replicas are queueing for real: a router then marks its node
+so that the node's engine cores yield the CPU to it (deployments/door.py)."""
 
 from conveyor.cluster.admission_controller import AdmissionController
 from conveyor.engine.stats import cdiv
 
+QUEUEING_SHARE = 0.25
 
-def door_wait(controller: AdmissionController, now: float, undecided: int = 0) -> float | None:
-    """The shortest queue time, with `undecided` requests spread evenly over the fresh, open replicas, while it
-    is past `max_queue_time_s`; None otherwise, also while no replica is fresh and open (`decide` answers
-    those: it waits for a view, or queues the request for room)."""
-    limit = controller.config.max_queue_time_s
+
+def shortest_queue_time(controller: AdmissionController, now: float, undecided: int = 0) -> float | None:
+    """The shortest queue time over the fresh, open replicas, with `undecided` requests spread evenly over them;
+    None while the objective is off or no replica is fresh and open (`decide` answers those: it waits for a
+    view, or queues the request for room)."""
     open_ = [rid for rid, e in controller.replicas.items() if controller.open(e, now)]
-    if limit <= 0 or not open_:
+    if controller.config.max_queue_time_s <= 0 or not open_:
         return None
     ahead = cdiv(undecided, len(open_))
-    best = min(controller.queue_time(rid, extra_requests=ahead) for rid in open_)
-    return best if best > limit else None
+    return min(controller.queue_time(rid, extra_requests=ahead) for rid in open_)
+
+
+def past_objective(controller: AdmissionController, wait: float | None) -> bool:
+    return wait is not None and wait > controller.config.max_queue_time_s
+
+
+def queueing(controller: AdmissionController, wait: float | None) -> bool:
+    return wait is not None and wait > QUEUEING_SHARE * controller.config.max_queue_time_s
+
+
+def door_wait(controller: AdmissionController, now: float, undecided: int = 0) -> float | None:
+    """The shortest queue time while it is past `max_queue_time_s`; None otherwise."""
+    wait = shortest_queue_time(controller, now, undecided)
+    return wait if past_objective(controller, wait) else None

@@ -67,6 +67,12 @@ class HTTPGuard:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        try:
+            await self.guard(scope, receive, send)
+        finally:
+            Door.decided()  # whatever way it ended, a request let in no longer counts as ahead
+
+    async def guard(self, scope: dict, receive: Any, send: Any) -> None:
         cfg, headers = self.config, {k.lower(): v for k, v in scope.get("headers", [])}
         try:
             path, root = scope.get("path", ""), scope.get("root_path", "")
@@ -75,16 +81,14 @@ class HTTPGuard:
             if scope.get("method") not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, send)
             door = HTTPGuard.door if path in GENERATION_PATHS else None
-            if door is not None and (refusal := door.enter()) is not None:
-                raise refusal
-            try:
-                body = await self.read_body(cfg, headers, receive)
-                if body is None:
-                    return  # the client left before its body arrived: nothing to answer
-                check_body(body)
-            except APIError:
-                Door.decided()
-                raise
+            if door is not None:
+                if (refusal := door.enter()) is not None:
+                    raise refusal
+                await door.hold()
+            body = await self.read_body(cfg, headers, receive)
+            if body is None:
+                return  # the client left before its body arrived: nothing to answer
+            check_body(body)
         except APIError as e:
             return await self.refuse(e, send)
         replayed = False
@@ -96,10 +100,7 @@ class HTTPGuard:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            Door.decided()
+        await self.app(scope, replay, send)
 
     @staticmethod
     def authorize(cfg: GuardConfig, path: str, headers: dict[bytes, bytes]) -> None:

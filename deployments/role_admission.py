@@ -56,16 +56,18 @@ class RoleDecision:
         return next((d for d in (self.decode, self.prefill) if d is not None and not d.admit), None)
 
 
-async def decide_roles(prefill: AdmissionClient, decode: AdmissionClient | None, p: Ask, d: Ask | None) -> RoleDecision:
+async def decide_roles(
+    prefill: AdmissionClient, decode: AdmissionClient | None, p: Ask, d: Ask | None, queue_time: bool = True
+) -> RoleDecision:
     """Both roles' decisions for a request to be handed off (`d`: its decode ask), on a refusal with nothing
     reserved on either; the prefill role's alone for one that runs whole there (`d` None) or without decode
-    admission (`decode` None)."""
+    admission (`decode` None). `queue_time=False`: the door judged the prefill role's queue time already."""
     if decode is None or d is None:
-        return RoleDecision(await prefill.decide(*p.args()))
+        return RoleDecision(await prefill.decide(*p.args(), queue_time=queue_time))
     verdict = await decode.decide(*d.args(), hold=False)
     if not verdict.admit:
         return RoleDecision(None, verdict)
-    chosen = await prefill.decide(*p.args())
+    chosen = await prefill.decide(*p.args(), queue_time=queue_time)
     if not chosen.admit or verdict.reason == "fail_open":
         return RoleDecision(chosen, verdict if chosen.admit else None)
     held = decode.decide_now(*d.args())

@@ -17,7 +17,7 @@ from conveyor.cluster.routing import MAX_PREFIX_BLOCKS, RoutingHint
 from conveyor.cluster.stats import block_hashes, num_blocks
 from conveyor.deployments.api_error import APIError, admission_refusal
 from conveyor.deployments.disaggregation import can_hand_off, disaggregated_stream
-from conveyor.deployments.door import Door
+from conveyor.deployments.door import LOAD_REFUSALS, Door
 from conveyor.deployments.drain import Drain
 from conveyor.deployments.http_guard import GuardConfig, HTTPGuard
 from conveyor.deployments.metrics import ResponseCounter, RouterMetrics
@@ -102,9 +102,10 @@ class Router:
         self.static_loras = {m.name: m for m in args.lora_modules}
         self._runtime_loras: dict[str, str] | None = None
         self.gate = AdmissionClient(lambda: self.replica.admission.remote()) if args.admission else None
+        self.door: Door | None = None
         if self.gate is not None:
             self.gate.start()
-            HTTPGuard.door = Door(self.gate, lambda: self.metrics.admission_decided(False, "queue_time"))
+            self.door = HTTPGuard.door = Door(self.gate, lambda: self.metrics.admission_decided(False, "queue_time"))
             self.metrics.queued.set_function(lambda: self.gate.queued)
             self._metrics_pusher = asyncio.create_task(self._push_metrics())
         # the decode role's own admission (deployments/role_admission.py)
@@ -156,9 +157,11 @@ class Router:
         if handoff and max_tokens > 1 and self.decode_gate is not None:  # prefill holds the prompt and first token
             handed = handoff_ask(len(prompts[0]), self.block_size, max_tokens, ask.lora)
             ask = replace(ask, output_tokens=1)
-        roles = await decide_roles(self.gate, self.decode_gate, ask, handed)
+        roles = await decide_roles(self.gate, self.decode_gate, ask, handed, queue_time=not Door.judged())
         Door.decided()
         d = roles.refusal or roles.prefill
+        if not d.admit and d.reason in LOAD_REFUSALS and self.door is not None:
+            self.door.shed()
         for role, verdict in (("decode", roles.decode), ("prefill", roles.prefill)):  # a refusal counts for its role
             if verdict is not None and (d.admit or verdict is d):
                 self.metrics.admission_decided(verdict.admit, verdict.reason, role)

@@ -55,6 +55,44 @@ def start_ray(env: dict[str, str] | None = None, haproxy: bool = False) -> str:
     return ray.get_runtime_context().gcs_address
 
 
+@contextmanager
+def local_nodes(haproxy: bool, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The setting for a ray.cluster_utils.Cluster on this machine: yields its temp dir and the arguments every
+    node takes (all on 127.0.0.1: Ray rewrites that address to the machine's outward one unless "clusters" are
+    off for this process); `haproxy`: behind Serve's HAProxy ingress."""
+    from ray._private import ray_constants
+
+    keep = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the current cluster's address there
+    use_haproxy(haproxy, tmp)
+    try:
+        yield tmp, dict(node_ip_address="127.0.0.1", object_store_memory=80 * 2**20, temp_dir=tmp)
+    finally:
+        use_haproxy(False, tmp)
+        ray_constants.ENABLE_RAY_CLUSTER = keep
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def serve_on(cluster: Any, app: Any, name: str) -> Iterator[str]:
+    """`app` served on `cluster` (Serve's proxy on the head only: per-node proxies would all bind one port of this
+    machine), its URL once ready; then Serve, the driver and the cluster shut down."""
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name=name, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 240)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def stop_ray() -> None:
     ray.shutdown()
     while TEMP_DIRS:

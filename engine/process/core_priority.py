@@ -4,16 +4,22 @@
 (niceness 15, RAY_worker_niceness): the threads the core wakes with its outputs do not preempt it, and an idle
 core picks them up. "low": SCHED_IDLE (Linux; else niceness 19): any waking front-end thread preempts it at once.
 "auto": high while the node's engine cores (registered in `registry_dir()`, one file per core process holding
-its thread count) leave at least one CPU to everything else, low where they fill every CPU. The evidence:
-docs/decisions/03-core-process-priority.md."""
+its thread count) leave at least one CPU to everything else, low where they fill every CPU; and low for
+SHEDDING_S after a router on the node marked it shedding (`mark_shedding`: its replicas are queueing, and
+refusing what comes in first is worth more than the core's share of a starved CPU). The evidence:
+docs/decisions/03-core-process-priority.md, 18-door-first-under-a-burst.md."""
 
 import logging
 import os
+import resource
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("conveyor")
 REFRESH_S = 2.0
+SHEDDING_S = 0.5
+SHEDDING = "shedding"  # the mark's file in registry_dir(): its mtime is the last mark
 
 
 def registry_dir() -> Path:
@@ -22,6 +28,15 @@ def registry_dir() -> Path:
         return Path(os.environ["CONVEYOR_CORE_REGISTRY"])
     root = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     return root / f"conveyor-cores-{os.getuid()}"
+
+
+def mark_shedding(directory: Path | None = None) -> None:
+    """A router on this node is shedding load: its node's `auto` engine cores yield for SHEDDING_S."""
+    path = (directory or registry_dir()) / SHEDDING
+    try:
+        path.touch(mode=0o600)
+    except FileNotFoundError:  # no engine core registered on this node yet
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -36,13 +51,16 @@ def _alive(pid: int) -> bool:
 
 class CorePriority:
     """Registers this core process with its thread count; `refresh()` sets the priority of all its threads, and
-    re-decides "auto" as cores come and go (call it every REFRESH_S or so)."""
+    re-decides "auto" as cores come and go (call it every REFRESH_S or so); `follow_front()` (every step) lowers
+    an "auto" core while the node is marked shedding."""
 
     def __init__(self, priority: str, threads: int, directory: Path | None = None) -> None:
         self.priority = priority
         self.dir = directory or registry_dir()
         self.file = self.dir / str(os.getpid())
         self.applied: str | None = None
+        self.decided = "high"
+        self.can_yield = _may_return_from_idle()
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.file.write_text(str(threads))
@@ -67,7 +85,18 @@ class CorePriority:
         return "high" if self.spare_cpus() >= 1 else "low"
 
     def refresh(self) -> str:
-        mode = self.decide()
+        self.decided = self.decide()
+        return self.follow_front()
+
+    def shedding(self) -> bool:
+        try:
+            return time.time() - (self.dir / SHEDDING).stat().st_mtime < SHEDDING_S
+        except OSError:
+            return False
+
+    def follow_front(self) -> str:
+        yielding = self.priority == "auto" and self.decided == "high" and self.can_yield and self.shedding()
+        mode = "low" if yielding else self.decided
         if mode != self.applied:
             _apply(mode)
             self.applied = mode
@@ -75,6 +104,16 @@ class CorePriority:
 
     def close(self) -> None:
         self.file.unlink(missing_ok=True)
+
+
+def _may_return_from_idle() -> bool:
+    """Whether this process could leave SCHED_IDLE again (Linux asks for CAP_SYS_NICE, or an RLIMIT_NICE that
+    admits its niceness): a core that could not stays where `auto` put it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    if os.geteuid() == 0:
+        return True
+    return 20 - os.getpriority(os.PRIO_PROCESS, 0) <= resource.getrlimit(resource.RLIMIT_NICE)[0]
 
 
 def _apply(mode: str) -> None:

@@ -66,6 +66,8 @@ def serve_core(
             if time.monotonic() - refreshed_at >= REFRESH_S:
                 priority.refresh()
                 refreshed_at = time.monotonic()
+            else:
+                priority.follow_front()
             if not core.has_unfinished and not poller.poll(IDLE_POLL_MS):
                 if os.getppid() != parent_pid:
                     return

@@ -1,32 +1,38 @@
 """serve_config.yaml's admission under a burst far past capacity, behind the README's ingress
 (RAY_SERVE_ENABLE_HA_PROXY=1): every request ends before the client's timeout; an admitted one starts within
-the queue-time bound (its own generation time comes on top); the others are refused with Retry-After. How long
-a refusal took is printed, not asserted: issue 39 asks for "within a second", which this 2-core machine does not
-meet (docs/cluster.md, "A burst far past capacity")."""
+the queue-time bound (its own generation time comes on top); the others are refused with Retry-After, soon
+after they were sent (docs/cluster.md, "A burst far past capacity"); the same on two nodes."""
 
 import asyncio
+import os
 import random
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 import yaml
 from ray import serve
 
 from tests.load import tokens
-from tests.serve_app import ROOT, free_port, start_ray, stop_ray
+from tests.serve_app import ROOT, free_port, local_nodes, serve_on, start_ray, stop_ray
 
 pytestmark = pytest.mark.slow
 
 
 async def stream_timed(client: aiohttp.ClientSession, url: str, body: dict) -> dict[str, Any]:
-    """One streamed completion: status, Retry-After, seconds to the first token and to the end (or the error)."""
-    start = time.perf_counter()
+    """One streamed completion: status, Retry-After, seconds to the first token and to the end (or the error),
+    from when its request was sent (its connection opened: the client's own queue is not the server's time)."""
+    sent = {"at": time.perf_counter()}
     out: dict[str, Any] = {"status": None, "first": None, "tokens": 0}
     try:
-        async with client.post(f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        request = client.post(f"{url}/v1/completions", json={**body, "stream": True}, trace_request_ctx=sent)
+        async with request as r:
+            start = sent["at"]
             out["status"], out["retry_after"] = r.status, r.headers.get("retry-after")
             async for line in r.content:
                 if line.startswith(b"data: {") and b'"text"' in line:
@@ -34,54 +40,109 @@ async def stream_timed(client: aiohttp.ClientSession, url: str, body: dict) -> d
                     out["tokens"] += 1
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         out["error"] = repr(e)
-    out["end_s"] = time.perf_counter() - start
+    out["end_s"] = time.perf_counter() - sent["at"]
     return out
 
 
-async def burst(url: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
-    """n streams at once from one aiohttp session (an unbounded pool: one connection each). The client shares the
-    2 cores with the app; aiohttp's costs about a sixth of the CPU httpx's does for the same burst."""
+async def on_sent(session: Any, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx["at"] = time.perf_counter()
+
+
+def burst(url: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
+    """n streams at once from a client process of its own at Ray's worker niceness (15): on this machine the
+    client shares the 2 cores with the app, and at niceness 0 it would take them from the router (Ray starts the
+    router at 15) while it sends the burst, which a client on another machine does not."""
     bodies = [{"prompt": tokens(rng, 32), "max_tokens": 128, "ignore_eos": True} for _ in range(n)]
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=240)) as client:
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=os.nice, initargs=(15,)) as client:
+        return client.submit(send_all, url, bodies).result()
+
+
+def send_all(url: str, bodies: list[dict]) -> list[dict[str, Any]]:
+    return asyncio.run(streams(url, bodies))
+
+
+async def streams(url: str, bodies: list[dict]) -> list[dict[str, Any]]:
+    """Every body at once from one aiohttp session (an unbounded pool: one connection each); aiohttp's client
+    costs about a sixth of the CPU httpx's does for the same burst."""
+    connector, trace = aiohttp.TCPConnector(limit=0), aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(on_sent)
+    timeout = aiohttp.ClientTimeout(total=240)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace]) as client:
         return await asyncio.gather(*(stream_timed(client, url, b) for b in bodies))
+
+
+def default_args(num_replicas: int) -> dict[str, Any]:
+    """serve_config.yaml's app on demo:tiny, small enough for this machine."""
+    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    args = {**args, "model": "demo:tiny", "chat_template": None, "num_replicas": num_replicas}
+    args.update(replica_num_cpus=0.25, router_num_cpus=0.1, torch_threads=1)
+    del args["kv_autoscaling"]
+    return args
+
+
+def check_burst(url: str, bound: float, replicas: int, where: str) -> None:
+    """A warm-up within the batches (it measures the replicas' service rates), then the burst of 800."""
+    rng = random.Random(5)
+    warm = burst(url, 32 * replicas, rng)
+    assert [w["status"] for w in warm] == [200] * 32 * replicas
+    start = time.perf_counter()
+    results = burst(url, 800, rng)
+    elapsed = time.perf_counter() - start
+    assert not [r for r in results if "error" in r], "none fails at the client or runs past its timeout"
+    admitted = [r for r in results if r["status"] == 200]
+    refused = [r for r in results if r["status"] != 200]
+    waits = sorted(r["first"] for r in admitted)
+    refusals = sorted(r["end_s"] for r in refused)
+    print(
+        f"{where}: burst of 800 in {elapsed:.1f} s: {len(admitted)} admitted, started p50 "
+        f"{waits[len(waits) // 2]:.1f} s, max {waits[-1]:.1f} s (bound {bound} s); {len(refused)} refused "
+        f"{Counter(r['status'] for r in refused)} in p50 {refusals[len(refusals) // 2]:.3f} s, "
+        f"p90 {refusals[len(refusals) * 9 // 10]:.3f} s, max {refusals[-1]:.3f} s"
+    )
+    assert all(r["tokens"] > 0 for r in admitted)
+    assert len(admitted) >= 32 * replicas and refused, "the burst fills the replicas and overflows the bound"
+    assert waits[-1] <= bound + 2.0
+    assert all(r["status"] in (429, 503) and int(r["retry_after"]) >= 1 for r in refused)
+    # issue 39 asks for refusals within a second; on this 2-core machine the median comes at 0.7-1.2 s, the
+    # slowest at 0.9-2.6 s (docs/cluster.md), so the bounds asserted leave room for a slower run
+    assert refusals[len(refusals) // 2] <= 1.5 and refusals[-1] <= 4.0
 
 
 def test_the_default_config_refuses_what_it_could_not_start_in_time() -> None:
     from conveyor.deployments.app import AppArgs, build_app
 
-    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
-    bound = args["admission"]["max_queue_time_s"]
-    args = {**args, "model": "demo:tiny", "chat_template": None, "num_replicas": 1, "replica_num_cpus": 0.25}
-    args.update(router_num_cpus=0.1, torch_threads=1)
-    del args["kv_autoscaling"]
+    args = default_args(1)
     start_ray(haproxy=True)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(AppArgs(**args)), name="default_config", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        rng = random.Random(5)
-        warm = asyncio.run(burst(url, 32, rng))  # within the batch: measures the replica's service rates
-        assert [w["status"] for w in warm] == [200] * 32
-        start = time.perf_counter()
-        results = asyncio.run(burst(url, 800, rng))
-        elapsed = time.perf_counter() - start
-        assert not [r for r in results if "error" in r], "none fails at the client or runs past its timeout"
-        admitted = [r for r in results if r["status"] == 200]
-        refused = [r for r in results if r["status"] != 200]
-        waits = sorted(r["first"] for r in admitted)
-        refusals = sorted(r["end_s"] for r in refused)
-        print(
-            f"burst of 800 in {elapsed:.1f} s: {len(admitted)} admitted, started p50 {waits[len(waits) // 2]:.1f} s, "
-            f"max {waits[-1]:.1f} s (bound {bound} s); {len(refused)} refused {Counter(r['status'] for r in refused)}"
-            f" in p50 {refusals[len(refusals) // 2]:.3f} s, p90 {refusals[len(refusals) * 9 // 10]:.3f} s, "
-            f"max {refusals[-1]:.3f} s"
-        )
-        assert all(r["tokens"] > 0 for r in admitted)
-        assert len(admitted) >= 32 and refused, "the burst fills the replica and overflows the bound"
-        assert waits[-1] <= bound + 2.0
-        assert all(r["status"] in (429, 503) and int(r["retry_after"]) >= 1 for r in refused)
+        check_burst(f"http://127.0.0.1:{port}", args["admission"]["max_queue_time_s"], 1, "one node")
     finally:
         serve.shutdown()
         stop_ray()
+
+
+def replica_nodes(url: str) -> set[str]:
+    return {r["node_id"] for r in httpx.get(f"{url}/v1/cluster", timeout=10).json()["replicas"] if r["fresh"]}
+
+
+def test_the_same_across_nodes() -> None:
+    """Two Ray nodes on this machine (ray.cluster_utils.Cluster), one replica on each (the per-node resource), the
+    router and HAProxy on the head."""
+    from ray.cluster_utils import Cluster
+
+    from conveyor.deployments.app import AppArgs, build_app
+
+    slot = "conveyor_replica"
+    args = {**default_args(2), "replica_node_resource": slot}
+    with local_nodes(True, "ray-burst-") as (_, node):
+        node["resources"] = {slot: 1}
+        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, include_dashboard=False, **node))
+        worker = cluster.add_node(num_cpus=1, **node)
+        with serve_on(cluster, build_app(AppArgs(**args)), "default_config") as url:
+            want, deadline = {cluster.head_node.node_id, worker.node_id}, time.monotonic() + 60
+            while (nodes := replica_nodes(url)) != want and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert nodes == want, "one replica on each node"
+            check_burst(url, args["admission"]["max_queue_time_s"], 2, "two nodes")

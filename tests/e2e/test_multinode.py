@@ -9,10 +9,7 @@ explicit 503/429 with Retry-After, or a stream's 503 error event); serving resum
 RESUME_BOUND_S. Node death is detected by the GCS health check, set here to 1 s x 5 failures (Ray's default
 is 3 s x 5); the measured times print with MULTINODE, run with -s to see them."""
 
-import os
 import random
-import shutil
-import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -20,8 +17,6 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
 from tests.load import Burst, Outcome
 
@@ -66,42 +61,24 @@ def eventually(check: Callable[[], Any], timeout: float, what: str, every: float
 
 @pytest.fixture(scope="module")
 def mn() -> Iterator[SimpleNamespace]:
-    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
     from conveyor.deployments.app import AppArgs, build_app
-    from conveyor.deployments.ingress import use_haproxy
-    from tests.serve_app import free_port, wait_ready
+    from tests.serve_app import local_nodes, serve_on
 
-    # Ray rewrites a 127.0.0.1 address to the machine's outward IP unless "clusters" are off for this process
-    keep = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    tmp = tempfile.mkdtemp(prefix="ray-mn-", dir="/tmp")
-    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the current cluster's address there
-    use_haproxy(False, tmp)
-    node = dict(node_ip_address="127.0.0.1", object_store_memory=80 * 2**20, temp_dir=tmp)
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args=dict(num_cpus=1, resources={SLOT: 1}, include_dashboard=False, _system_config=HEALTH, **node),
-    )
-    workers = [cluster.add_node(num_cpus=1, resources={SLOT: 1}, **node) for _ in range(2)]
-    aux = cluster.add_node(num_cpus=1, resources={ADMISSION: 1}, **node)
-    ray.init(address=cluster.address, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(AppArgs(**APP)), name="default", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, 240)
-        ns = SimpleNamespace(url=url, cluster=cluster, workers=workers, aux=aux, node=node)
-        eventually(lambda: len(fresh_rows(ns)) == 3, 120, "three replicas reporting")
-        yield ns
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = keep
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_nodes(False, "ray-mn-") as (_, node):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(
+                num_cpus=1, resources={SLOT: 1}, include_dashboard=False, _system_config=HEALTH, **node
+            ),
+        )
+        workers = [cluster.add_node(num_cpus=1, resources={SLOT: 1}, **node) for _ in range(2)]
+        aux = cluster.add_node(num_cpus=1, resources={ADMISSION: 1}, **node)
+        with serve_on(cluster, build_app(AppArgs(**APP)), "default") as url:
+            ns = SimpleNamespace(url=url, cluster=cluster, workers=workers, aux=aux, node=node)
+            eventually(lambda: len(fresh_rows(ns)) == 3, 120, "three replicas reporting")
+            yield ns
 
 
 def snapshot(mn: SimpleNamespace) -> dict[str, Any]:

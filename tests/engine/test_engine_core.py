@@ -16,7 +16,7 @@ import torch
 from conveyor.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from conveyor.engine.frontend.async_engine import RequestFailed
 from conveyor.engine.process.core_client import EngineCoreDied
-from conveyor.engine.process.core_priority import REFRESH_S, CorePriority
+from conveyor.engine.process.core_priority import REFRESH_S, SHEDDING_S, CorePriority, mark_shedding
 from tests.faulty_runner import MARK, RUNNER
 from tests.helpers import hf_greedy, prompt_ids
 
@@ -84,6 +84,27 @@ def test_auto_priority_follows_the_cores_on_the_node(tmp_path: Path, monkeypatch
         a.shutdown()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_auto_priority_yields_while_a_router_on_the_node_sheds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core at "auto" that leaves a CPU runs SCHED_IDLE within a step of its node being marked shedding, for
+    SHEDDING_S after the last mark, then as an ordinary process again."""
+    cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    assert cpus >= 2, "this test needs two CPUs"
+    monkeypatch.setenv("CONVEYOR_CORE_REGISTRY", str(tmp_path))
+    torch.set_num_threads(cpus - 1)
+    llm = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=32)
+    torch.set_num_threads(threads)
+    try:
+        pid = llm.engine.core.core_pid
+        assert _until(lambda: {p for p, _ in _policies(pid)} == {os.SCHED_OTHER})
+        marked = time.monotonic()
+        mark_shedding(tmp_path)
+        assert _until(lambda: {p for p, _ in _policies(pid)} == {os.SCHED_IDLE}, SHEDDING_S)
+        assert _until(lambda: {p for p, _ in _policies(pid)} == {os.SCHED_OTHER})
+        assert time.monotonic() - marked >= SHEDDING_S * 0.9
+    finally:
+        llm.shutdown()
 
 
 def _until(check: Callable[[], bool], timeout_s: float = 3 * REFRESH_S) -> bool:
