@@ -30,9 +30,3 @@ def past_objective(controller: AdmissionController, wait: float | None) -> bool:
 
 def queueing(controller: AdmissionController, wait: float | None) -> bool:
     return wait is not None and wait > QUEUEING_SHARE * controller.config.max_queue_time_s
-
-
-def door_wait(controller: AdmissionController, now: float, undecided: int = 0) -> float | None:
-    """The shortest queue time while it is past `max_queue_time_s`; None otherwise."""
-    wait = shortest_queue_time(controller, now, undecided)
-    return wait if past_objective(controller, wait) else None

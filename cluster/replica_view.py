@@ -118,11 +118,15 @@ class ReplicaView:
         """(blocks, requests) admitted to the replica that its stats cannot include yet, every router's.
         Own reservations the actor has not shared yet count once per router (blocks: unless this router holds a
         lease, which bounds the others): until the next refresh each of the others may be admitting as much."""
-        entry, own, k = self.replicas[replica_id], self.book.own(replica_id), self.num_routers
+        entry, own = self.replicas[replica_id], self.book.own(replica_id)
         return (
-            entry.shared_blocks + (1 if self.lease is not None else k) * sum(r.blocks for r in own),
-            entry.shared_requests + k * sum(r.requests for r in own),
+            entry.shared_blocks + self._own_block_copies() * sum(r.blocks for r in own),
+            entry.shared_requests + self.num_routers * sum(r.requests for r in own),
         )
+
+    def _own_block_copies(self) -> int:
+        """How many times `reserved` counts an own reservation's blocks: once under a lease, else once per router."""
+        return 1 if self.lease is not None else self.num_routers
 
     def lease_room(self, replica_id: str, now: float) -> int:
         """Blocks of its lease this router has not committed yet (0 once the lease has expired)."""
@@ -130,9 +134,9 @@ class ReplicaView:
         return lease - sum(r.blocks for r in self.book.own(replica_id))
 
     def reserved_prefill(self, replica_id: str) -> int:
-        """Of `reserved` blocks, the prompt blocks the replica will compute (own ones once per router)."""
+        """Of `reserved` blocks, the prompt blocks the replica will compute (counted as `reserved` counts blocks)."""
         entry, own = self.replicas[replica_id], self.book.own(replica_id)
-        return entry.shared_prefill_blocks + self.num_routers * sum(r.prefill_blocks for r in own)
+        return entry.shared_prefill_blocks + self._own_block_copies() * sum(r.prefill_blocks for r in own)
 
     def unseen_prefill(self, replica_id: str) -> int:
         """Of those, the ones reserved after the replica's last stats, every router's (own ones once per router)."""

@@ -7,8 +7,14 @@ import pytest
 
 from conveyor.cluster.admission_config import AdmissionConfig
 from conveyor.cluster.admission_controller import AdmissionController
-from conveyor.cluster.door import door_wait
+from conveyor.cluster.door import past_objective, shortest_queue_time
 from conveyor.cluster.stats import ReplicaStats
+
+
+def door_wait(c: AdmissionController, now: float, undecided: int = 0) -> float | None:
+    """What the router's door (deployments/door.py) refuses on: the shortest queue time, once past the objective."""
+    wait = shortest_queue_time(c, now, undecided)
+    return wait if past_objective(c, wait) else None
 
 
 def replica(rid: str, waiting: int = 3, busy: float = 0.0, finished: int = 0, ts: float = 0.0) -> ReplicaStats:
