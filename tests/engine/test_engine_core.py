@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -87,14 +88,23 @@ def test_auto_priority_follows_the_cores_on_the_node(tmp_path: Path, monkeypatch
 
 
 def test_auto_priority_yields_while_a_router_on_the_node_sheds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A core at "auto" that leaves a CPU runs SCHED_IDLE within a step of its node being marked shedding, for
-    SHEDDING_S after the last mark, then as an ordinary process again."""
+    """A busy core at "auto" that leaves a CPU runs SCHED_IDLE within a step of its node being marked shedding, for
+    SHEDDING_S after the last mark, then as an ordinary process again. (An idle core looks only every
+    IDLE_POLL_MS, and has no CPU to yield.)"""
     cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
     assert cpus >= 2, "this test needs two CPUs"
     monkeypatch.setenv("CONVEYOR_CORE_REGISTRY", str(tmp_path))
     torch.set_num_threads(cpus - 1)
     llm = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=32)
     torch.set_num_threads(threads)
+    stop, params = threading.Event(), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def busy() -> None:
+        while not stop.is_set():
+            llm.generate(prompt_ids(MODEL)[:1], params, use_tqdm=False)
+
+    generating = threading.Thread(target=busy)
+    generating.start()
     try:
         pid = llm.engine.core.core_pid
         assert _until(lambda: {p for p, _ in _policies(pid)} == {os.SCHED_OTHER})
@@ -104,6 +114,8 @@ def test_auto_priority_yields_while_a_router_on_the_node_sheds(tmp_path: Path, m
         assert _until(lambda: {p for p, _ in _policies(pid)} == {os.SCHED_OTHER})
         assert time.monotonic() - marked >= SHEDDING_S * 0.9
     finally:
+        stop.set()
+        generating.join()
         llm.shutdown()
 
 
