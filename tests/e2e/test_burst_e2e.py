@@ -21,6 +21,7 @@ import pytest
 import yaml
 from ray import serve
 
+from benchmarks.percentiles import percentile
 from tests.load import tokens
 from tests.serve_app import ROOT, free_port, local_nodes, serve_on, start_ray, stop_ray
 
@@ -114,7 +115,7 @@ class HAProxyLog:
 
 
 def quantiles(xs: list[float]) -> str:
-    return f"p50 {xs[len(xs) // 2]:.3f} s, p90 {xs[len(xs) * 9 // 10]:.3f} s, max {xs[-1]:.3f} s" if xs else "none"
+    return f"p50 {percentile(xs, 0.5):.3f} s, p90 {percentile(xs, 0.9):.3f} s, max {max(xs):.3f} s" if xs else "none"
 
 
 def default_args(num_replicas: int) -> dict[str, Any]:

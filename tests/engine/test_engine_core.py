@@ -97,11 +97,12 @@ def test_auto_priority_yields_while_a_router_on_the_node_sheds(tmp_path: Path, m
     torch.set_num_threads(cpus - 1)
     llm = LLM(MODEL, engine_core_process=True, dtype="float32", num_blocks=32)
     torch.set_num_threads(threads)
-    stop, params = threading.Event(), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    stop, prompt = threading.Event(), prompt_ids(MODEL)[:1]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
     def busy() -> None:
         while not stop.is_set():
-            llm.generate(prompt_ids(MODEL)[:1], params, use_tqdm=False)
+            llm.generate(prompt, params, use_tqdm=False)
 
     generating = threading.Thread(target=busy)
     generating.start()
