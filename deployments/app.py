@@ -76,6 +76,7 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1)
     stream_interval: int = Field(4, ge=1)
     engine_core_process: bool = True
+    # HTTP processes; several share a burst's work, each door counting its own undecided requests once per router
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.5, ge=0)
     # a resource each replica-capable node declares as 1 (`ray start --resources`): at most one replica per node

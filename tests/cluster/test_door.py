@@ -61,6 +61,14 @@ def test_undecided_requests_count_as_queued_spread_over_the_open_replicas() -> N
     assert door_wait(one, 0.1, undecided=4) is None and door_wait(one, 0.1, undecided=5) == pytest.approx(2.25)
 
 
+def test_with_several_routers_a_routers_undecided_count_once_per_router() -> None:
+    """The ingress spreads a burst evenly: while this router has let in 4, each of the others has too."""
+    c = controller()
+    c.num_routers = 2
+    assert door_wait(c, 0.1, undecided=4) is None  # 8 in all: 4 more on each, within
+    assert door_wait(c, 0.1, undecided=5) == pytest.approx(2.25)  # 10 in all: 5 on one of them
+
+
 def test_the_door_stays_open_without_a_fresh_view_or_an_objective() -> None:
     c = controller()
     for rid in "ab":
