@@ -41,10 +41,12 @@ class APIError(Exception):
 
 
 def queue_time_error(limit_s: float, wait_s: float, retry_after_s: float) -> APIError:
-    """Admission's refusal when the shortest queue is longer than the queue-time objective."""
+    """Admission's refusal when the shortest queue is longer than the queue-time objective (infinite: every batch
+    slot is taken on replicas that have not finished a request yet, so their queues' speed is unknown)."""
+    shortest = "unknown: every slot taken, no request finished yet" if math.isinf(wait_s) else f"{wait_s:.1f}s"
     return APIError(
         f"overloaded: every replica's queue is longer than the {limit_s:g}s objective (shortest "
-        f"{wait_s:.1f}s); retry after {retry_after_s:g}s",
+        f"{shortest}); retry after {retry_after_s:g}s",
         status=429,
         type="rate_limit_error",
         code="queue_time",

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from conveyor.cluster.admission_actor import AdmissionClient
+from conveyor.cluster.admission_config import AdmissionConfig
+from conveyor.cluster.admission_controller import AdmissionController
 from conveyor.deployments.door import Door
 from conveyor.deployments.http_guard import HTTPGuard
-from tests.cluster.test_door import controller
+from tests.cluster.test_door import controller, replica
 
 
 class Exchange:
@@ -88,6 +90,17 @@ def test_a_closed_door_refuses_generation_unread_with_retry_after(monkeypatch: A
         assert error["code"] == "queue_time" and error["type"] == "rate_limit_error" and "2.2s" in error["message"]
     assert Exchange(door, "/v1/load_lora_adapter").run().status == 200  # only generation is shed
     assert len(refused) == 2 and door.undecided == 0
+
+
+def test_a_cold_replica_with_every_slot_taken_is_refused_as_unknown_not_inf_seconds(monkeypatch: Any) -> None:
+    cold = AdmissionController(AdmissionConfig(max_queue_time_s=2.0))
+    cold.update(replica("a"), 0.0)  # one push: every slot running, 3 waiting, no request finished yet
+    door = door_over(0)
+    door.gate.controller = cold
+    monkeypatch.setattr(HTTPGuard, "door", door)
+    ex = Exchange(door, "/v1/completions").run()
+    error = json.loads(ex.sent[1]["body"])["error"]
+    assert ex.status == 429 and "(shortest unknown: every slot taken, no request finished yet)" in error["message"]
 
 
 def test_an_open_door_counts_a_request_until_admission_decides_it(monkeypatch: Any) -> None:
