@@ -16,6 +16,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault(
     "CONVEYOR_CHECK_INVARIANTS", "1"
 )  # engine/core/invariants.py after every step, Ray replicas included
+# behind HAProxy, a stopping router replica stays open this long for a load balancer in front (an ALB) to
+# deregister it: Serve's default 30 s outlasts serve.shutdown's own 30 s wait, and the tests have none in front
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 SHARED = "conveyor_app"
 
 
