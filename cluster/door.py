@@ -17,8 +17,8 @@ QUEUEING_SHARE = 0.25
 
 def shortest_queue_time(controller: AdmissionController, now: float, undecided: int = 0) -> float | None:
     """The shortest queue time over the fresh, open replicas, with `undecided` requests (this router's; counted
-    once per router) spread evenly over them; None while the objective is off or no replica is fresh and open (`decide` answers those: it waits for a
-    view, or queues the request for room)."""
+    once per router) spread evenly over them; None while the objective is off or no replica is fresh and open
+    (`decide` answers those: it waits for a view, or queues the request for room)."""
     open_ = [rid for rid, e in controller.replicas.items() if controller.open(e, now)]
     if controller.config.max_queue_time_s <= 0 or not open_:
         return None
